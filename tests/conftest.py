@@ -1,0 +1,41 @@
+"""Shared test set-up.
+
+- `@pytest.mark.cuda` tests are skipped where no GPU is visible (CI is CPU-only); run them on the device with
+  `python -m pytest -m cuda`.
+- Without a GPU, Triton kernels run under the interpreter (`TRITON_INTERPRET=1`), which must be set before
+  `triton.jit` decorates anything, so it is set here, before any test module imports `fused_ops`.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except Exception:  # pragma: no cover
+    _HAS_CUDA = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds on CPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
