@@ -23,12 +23,14 @@ except Exception:  # pragma: no cover - depends on the environment
 
 try:
     from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
     HAS_FLA = True
 except Exception:  # pragma: no cover - depends on the environment
     fla_causal_conv1d = None
     fla_chunk_gated_delta_rule = None
+    _fla_rms_norm_gated = None
     HAS_FLA = False
 
 
@@ -41,3 +43,13 @@ def kernels_available() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device is available"
     return None
+
+
+def fla_rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated RMSNorm of the DeltaNet output through fla's fused kernel: ``y = x / rms(x) * w * silu(gate)``.
+
+    x, gate: [M, V] (M = B * T * HV rows of one value head each); weight: [V]. Replaces stock
+    ``Qwen3_5RMSNormGated`` (which rounds the normalised x to the input dtype before the weight and gate; fla keeps
+    fp32 until the end, a bf16-rounding-level difference).
+    """
+    return _fla_rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
