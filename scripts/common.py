@@ -1,0 +1,74 @@
+"""Helpers shared by the scripts and the tests: import the repo's remote-code files as a package, tiny configs,
+random real-shape configs, and stock/fused model pairs that share weights.
+
+The repo's three code files use relative imports (that is what makes the Hub copy them), so outside of
+`from_pretrained(..., trust_remote_code=True)` they are imported as the package `qwen3_5_fused_repo`, whose path is
+the repo root.
+"""
+
+import importlib
+import sys
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = "qwen3_5_fused_repo"
+
+# Real Qwen3.5 text shapes (all: head_dim 256, linear key/value head dim 128, conv 4, vocab 248320,
+# partial_rotary_factor 0.25, rope_theta 1e7, mrope_section [11, 11, 10], interleaved, 3 linear : 1 full).
+REAL_SHAPES = {
+    "0.8B": dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=3584, num_attention_heads=8,
+                 num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16, tie_word_embeddings=True),
+    "4B": dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216, num_attention_heads=16,
+               num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32, tie_word_embeddings=True),
+    "9B": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=12288, num_attention_heads=16,
+               num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=32, tie_word_embeddings=False),
+    "27B": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
+                num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=48, tie_word_embeddings=False),
+}
+REAL_COMMON = dict(
+    vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6, max_position_embeddings=32768,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                     "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+)
+
+
+def import_repo():
+    """Import the repo's code files as a package; returns (configuration, modeling, fused_ops) modules."""
+    if PACKAGE not in sys.modules:
+        pkg = types.ModuleType(PACKAGE)
+        pkg.__path__ = [str(REPO)]
+        sys.modules[PACKAGE] = pkg
+    return (
+        importlib.import_module(f"{PACKAGE}.configuration_qwen3_5_fused"),
+        importlib.import_module(f"{PACKAGE}.modeling_qwen3_5_fused"),
+        importlib.import_module(f"{PACKAGE}.fused_ops"),
+    )
+
+
+def tiny_text_kwargs(**overrides) -> dict:
+    """A 4-layer Qwen3.5 text config (3 linear : 1 full) small enough for CPU tests, with real head ratios."""
+    kwargs = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def tiny_vision_kwargs(out_hidden_size: int) -> dict:
+    return dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=out_hidden_size,
+                patch_size=4, num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2)
+
+
+def real_text_kwargs(size: str, **overrides) -> dict:
+    if size not in REAL_SHAPES:
+        raise ValueError(f"unknown size {size!r}; choose one of {sorted(REAL_SHAPES)}")
+    kwargs = dict(REAL_COMMON, **REAL_SHAPES[size])
+    kwargs.update(overrides)
+    return kwargs

@@ -1,0 +1,115 @@
+"""Small helpers shared by the test modules (no fixtures: plain functions)."""
+
+import torch
+
+from scripts.common import import_repo, tiny_text_kwargs, tiny_vision_kwargs
+
+configuration, modeling, fused_ops = import_repo()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (the one error measure of the suite)."""
+    a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a64 - b64).norm() / b64.norm().clamp_min(1e-300)).item()
+
+
+def stock_text_config(**overrides):
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**tiny_text_kwargs(**overrides))
+
+
+def fused_text_config(fused_kernels=True, **overrides):
+    return configuration.Qwen3_5FusedTextConfig(**tiny_text_kwargs(**overrides), fused_kernels=fused_kernels)
+
+
+def composite_kwargs(**text_overrides):
+    text = tiny_text_kwargs(**text_overrides)
+    return dict(text_config=text, vision_config=tiny_vision_kwargs(text["hidden_size"]),
+                image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253,
+                tie_word_embeddings=True)
+
+
+def stock_and_fused_lm(seed=0, fused_kernels=True, dtype=torch.float32, **overrides):
+    """A stock Qwen3_5ForCausalLM and a fused one holding the same random weights, both in eval mode."""
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.manual_seed(seed)
+    stock = Qwen3_5ForCausalLM(stock_text_config(**overrides)).to(dtype).eval()
+    fused = modeling.Qwen3_5FusedForCausalLM(fused_text_config(fused_kernels, **overrides)).to(dtype).eval()
+    missing, unexpected = fused.load_state_dict(stock.state_dict(), strict=True)
+    assert not missing and not unexpected
+    return stock, fused
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def run_stock(model, *args, **kwargs):
+    """Call a stock transformers model on CPU. With fla installed, stock Qwen3.5 sends CPU tensors into fla's Triton
+    kernels and crashes; the reference runs its plain-torch functions instead (the same routing the fused classes do
+    for their fallback)."""
+    with modeling._torch_reference_kernels():
+        return model(*args, **kwargs)
+
+
+def generate_stock(model, *args, **kwargs):
+    with modeling._torch_reference_kernels():
+        return model.generate(*args, **kwargs)
+
+
+def padded_batch(batch: int, seq_len: int, padding: str | None, vocab: int = 256, seed: int = 0):
+    """Random ids [B, T] and a 0/1 attention mask with `padding` ('left', 'right' or None) on all but row 0."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, seq_len), generator=g)
+    mask = torch.ones(batch, seq_len, dtype=torch.long)
+    if padding is not None and seq_len > 1:
+        for row in range(1, batch):
+            pad = min(seq_len - 1, 1 + row * max(1, seq_len // 4))
+            if padding == "left":
+                mask[row, :pad] = 0
+                ids[row, :pad] = 0
+            else:
+                mask[row, seq_len - pad :] = 0
+                ids[row, seq_len - pad :] = 0
+    return ids, mask
+
+
+CODE_FILES = ("configuration_qwen3_5_fused.py", "modeling_qwen3_5_fused.py", "fused_ops.py")
+AUTO_MAP_TEXT = {
+    "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5FusedTextConfig",
+    "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedTextModel",
+    "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLM",
+}
+
+
+def make_hub_snapshot(src_dir, cache_dir, repo_id: str, files=None) -> str:
+    """Lay `src_dir`'s files out as the Hugging Face cache does for a downloaded repo:
+    `<cache>/models--org--name/snapshots/<sha>/...` plus `refs/main`. Returns the snapshot path."""
+    import hashlib
+    import shutil
+    from pathlib import Path
+
+    src_dir, cache_dir = Path(src_dir), Path(cache_dir)
+    names = sorted(p.name for p in src_dir.iterdir() if p.is_file()) if files is None else list(files)
+    sha = hashlib.sha1("\n".join(names).encode() + repo_id.encode()).hexdigest()
+    repo_dir = cache_dir / ("models--" + repo_id.replace("/", "--"))
+    snap = repo_dir / "snapshots" / sha
+    snap.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copy2(src_dir / name, snap / name)
+    (repo_dir / "refs").mkdir(exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(sha)
+    return str(snap)
+
+
+def offline_env(cache_dir, modules_dir) -> dict:
+    """Environment for a subprocess that may only read the given Hub cache (no network)."""
+    import os
+
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_CACHE=str(cache_dir),
+               HF_HOME=str(cache_dir), HF_MODULES_CACHE=str(modules_dir), HF_HUB_DISABLE_TELEMETRY="1")
+    env.pop("HF_TOKEN", None)
+    return env

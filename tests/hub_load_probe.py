@@ -1,0 +1,46 @@
+"""Run in a subprocess with HF_HUB_OFFLINE=1 and a prepared cache: load a repo id with and without
+trust_remote_code and print one JSON line with what came back. Usage: hub_load_probe.py REPO_ID AUTO_CLASS"""
+
+import inspect
+import json
+import sys
+
+import torch
+import transformers
+from transformers.models.qwen3_5 import modeling_qwen3_5 as stock_mod
+
+repo_id, auto_name = sys.argv[1], sys.argv[2]
+auto = getattr(transformers, auto_name)
+
+
+def stock_cpu_forward(model, ids):
+    """Stock Qwen3.5 + fla crashes on CPU tensors; route its DeltaNet helpers to torch for the reference."""
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
+    saved = {n: getattr(stock_mod, n) for n in names}
+    try:
+        for n, f in saved.items():
+            setattr(stock_mod, n, inspect.unwrap(f))
+        return model(input_ids=ids).logits
+    finally:
+        for n, f in saved.items():
+            setattr(stock_mod, n, f)
+
+
+result = {}
+ids = torch.tensor([[5, 17, 42, 9, 77, 3, 11]])
+for trust in (True, False):
+    model, info = auto.from_pretrained(repo_id, trust_remote_code=trust, output_loading_info=True, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits if trust else stock_cpu_forward(model, ids)
+    result[str(trust)] = {
+        "class": type(model).__name__,
+        "module": type(model).__module__,
+        "missing": sorted(info["missing_keys"]),
+        "unexpected": sorted(info["unexpected_keys"]),
+        "mismatched": [list(map(str, m)) for m in info.get("mismatched_keys", [])],
+        "fused_kernels": getattr(model.config, "fused_kernels", None),
+        "logits": logits[0, -1, :16].tolist(),
+        "describe": model.describe()["layers"]["mlp"] if trust else None,
+    }
+print("RESULT " + json.dumps(result))

@@ -1,0 +1,108 @@
+"""Loading by repo id through an offline Hugging Face cache, as users do: the only way to catch a file the Hub
+copy would miss or an import in the remote code that fails where an optional package is absent."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import AUTO_MAP_TEXT, CODE_FILES, composite_kwargs, configuration, make_hub_snapshot, modeling, offline_env
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = Path(__file__).with_name("hub_load_probe.py")
+AUTO_MAP_COMPOSITE = {
+    "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5FusedConfig",
+    "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedModel",
+    "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLMLoader",
+    "AutoModelForImageTextToText": "modeling_qwen3_5_fused.Qwen3_5FusedForConditionalGeneration",
+}
+
+
+def _write_repo(model, folder: Path, auto_map: dict) -> None:
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = auto_map
+    config["fused_kernels"] = True
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for name in CODE_FILES:
+        shutil.copy2(REPO / name, folder / name)
+
+
+def _probe(tmp_path, repo_id, auto_name, extra_env=None):
+    env = offline_env(tmp_path / "hub", tmp_path / "modules")
+    env.update(extra_env or {})
+    proc = subprocess.run([sys.executable, str(PROBE), repo_id, auto_name], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):]), proc.stderr
+
+
+def _check(result, fused_class, stock_class):
+    fused, stock = result["True"], result["False"]
+    assert fused["class"] == fused_class and stock["class"] == stock_class
+    assert not fused["module"].startswith("transformers.models"), fused["module"]  # remote code really ran
+    assert stock["module"].startswith("transformers.models.qwen3_5")
+    for r in (fused, stock):
+        assert not r["missing"] and not r["unexpected"] and not r["mismatched"], r
+    assert fused["fused_kernels"] is True
+    assert fused["logits"] == stock["logits"]  # CPU: the fused classes run stock's code, bit for bit
+
+
+def test_text_repo_by_id_offline(tmp_path):
+    torch.manual_seed(0)
+    model = modeling.Qwen3_5FusedForCausalLM(configuration.Qwen3_5FusedTextConfig(**composite_kwargs()["text_config"]))
+    _write_repo(model, tmp_path / "src", AUTO_MAP_TEXT)
+    make_hub_snapshot(tmp_path / "src", tmp_path / "hub", "test-org/tiny-qwen35-text")
+    result, stderr = _probe(tmp_path, "test-org/tiny-qwen35-text", "AutoModelForCausalLM")
+    _check(result, "Qwen3_5FusedForCausalLM", "Qwen3_5ForCausalLM")
+    assert "stock transformers code" in stderr  # the CPU fallback is announced
+
+
+@pytest.mark.parametrize("auto_name,fused_class,stock_class", [
+    ("AutoModelForCausalLM", "Qwen3_5FusedForCausalLM", "Qwen3_5ForCausalLM"),
+    ("AutoModelForImageTextToText", "Qwen3_5FusedForConditionalGeneration", "Qwen3_5ForConditionalGeneration"),
+], ids=["causal-lm", "image-text-to-text"])
+def test_composite_repo_by_id_offline(tmp_path, auto_name, fused_class, stock_class):
+    torch.manual_seed(0)
+    model = modeling.Qwen3_5FusedForConditionalGeneration(configuration.Qwen3_5FusedConfig(**composite_kwargs()))
+    _write_repo(model, tmp_path / "src", AUTO_MAP_COMPOSITE)
+    make_hub_snapshot(tmp_path / "src", tmp_path / "hub", "test-org/tiny-qwen35")
+    result, _ = _probe(tmp_path, "test-org/tiny-qwen35", auto_name)
+    _check(result, fused_class, stock_class)
+
+
+def test_missing_code_file_is_caught(tmp_path):
+    """A snapshot without fused_ops.py (a file the relative imports need) must fail to load, proving the check
+    above would catch a file the Hub copy left out."""
+    torch.manual_seed(0)
+    model = modeling.Qwen3_5FusedForCausalLM(configuration.Qwen3_5FusedTextConfig(**composite_kwargs()["text_config"]))
+    _write_repo(model, tmp_path / "src", AUTO_MAP_TEXT)
+    (tmp_path / "src" / "fused_ops.py").unlink()
+    make_hub_snapshot(tmp_path / "src", tmp_path / "hub", "test-org/broken")
+    env = offline_env(tmp_path / "hub", tmp_path / "modules")
+    proc = subprocess.run([sys.executable, str(PROBE), "test-org/broken", "AutoModelForCausalLM"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    # transformers resolves the relative import `from .fused_ops import ...` and fails to find the file offline
+    assert proc.returncode != 0
+    assert "get_cached_module_file" in proc.stderr and "OSError" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_remote_code_imports_without_triton_and_fla(tmp_path):
+    """transformers' remote-code import check reads every file; the code must import where triton / fla are absent."""
+    torch.manual_seed(0)
+    model = modeling.Qwen3_5FusedForCausalLM(configuration.Qwen3_5FusedTextConfig(**composite_kwargs()["text_config"]))
+    _write_repo(model, tmp_path / "src", AUTO_MAP_TEXT)
+    make_hub_snapshot(tmp_path / "src", tmp_path / "hub", "test-org/no-triton")
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    # A sitecustomize that hides triton and fla, as on a machine without them.
+    (shim / "sitecustomize.py").write_text("import sys\nfor m in ('triton', 'fla'):\n    sys.modules[m] = None\n")
+    env = {"PYTHONPATH": str(shim)}
+    result, stderr = _probe(tmp_path, "test-org/no-triton", "AutoModelForCausalLM", extra_env=env)
+    assert result["True"]["class"] == "Qwen3_5FusedForCausalLM"
+    assert result["True"]["logits"] == result["False"]["logits"]
+    assert "triton is not installed" in result["True"]["describe"]["reason"]

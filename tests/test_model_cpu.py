@@ -1,0 +1,249 @@
+"""The fused classes on CPU: same outputs as stock, packed weights, save/load round trip, generate and pipeline.
+
+On CPU every call takes the stock fallback, so the fused classes must give stock's numbers (the issue asks for
+fp32 relative error <= 1e-6; where the code path is the same we also check bit equality).
+"""
+
+import pytest
+import torch
+from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from safetensors.torch import load_file
+
+from helpers import (
+    composite_kwargs,
+    configuration,
+    fused_ops,
+    generate_stock,
+    modeling,
+    padded_batch,
+    rel_err,
+    run_stock,
+    stock_and_fused_lm,
+    storage_ptr,
+)
+
+GROUPS = {
+    "linear_attn": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    "self_attn": ("q_proj", "k_proj", "v_proj"),
+    "mlp": ("gate_proj", "up_proj"),
+}
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 129], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("batch,padding", [(1, None), (3, None), (3, "left"), (3, "right")], ids=["b1", "b3", "b3-left", "b3-right"])
+def test_logits_match_stock_fp32(seq_len, batch, padding):
+    stock, fused = stock_and_fused_lm()
+    ids, mask = padded_batch(batch, seq_len, padding)
+    with torch.no_grad():
+        ref = run_stock(stock, input_ids=ids, attention_mask=mask).logits
+        out = fused(input_ids=ids, attention_mask=mask).logits
+    assert rel_err(out, ref) <= 1e-6
+    assert torch.equal(out, ref)  # same code path on CPU: bit-identical
+
+
+@pytest.mark.parametrize("fused_kernels", [False, True], ids=["off", "on"])
+def test_cached_decode_matches_stock(fused_kernels):
+    """Prefill + 5 decode steps through the cache give stock's logits at every step."""
+    stock, fused = stock_and_fused_lm(fused_kernels=fused_kernels)
+    ids, mask = padded_batch(2, 7, "left")
+    with torch.no_grad():
+        out_s = run_stock(stock, input_ids=ids, attention_mask=mask, use_cache=True)
+        out_f = fused(input_ids=ids, attention_mask=mask, use_cache=True)
+        assert torch.equal(out_f.logits, out_s.logits)
+        cache_s, cache_f = out_s.past_key_values, out_f.past_key_values
+        for _ in range(5):
+            nxt = out_s.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            out_s = run_stock(stock, input_ids=nxt, attention_mask=mask, past_key_values=cache_s, use_cache=True)
+            out_f = fused(input_ids=nxt, attention_mask=mask, past_key_values=cache_f, use_cache=True)
+            assert rel_err(out_f.logits, out_s.logits) <= 1e-6
+            cache_s, cache_f = out_s.past_key_values, out_f.past_key_values
+
+
+def test_fused_off_is_stock_bit_for_bit():
+    stock, fused = stock_and_fused_lm(fused_kernels=False)
+    ids, mask = padded_batch(3, 33, "left")
+    with torch.no_grad():
+        assert torch.equal(fused(input_ids=ids, attention_mask=mask).logits,
+                           run_stock(stock, input_ids=ids, attention_mask=mask).logits)
+
+
+def _assert_packed(model):
+    checked = 0
+    for layer in model.model.layers:
+        for owner_name, names in GROUPS.items():
+            owner = getattr(layer, owner_name, None)
+            if owner is None:
+                continue
+            linears = [getattr(owner, n) for n in names]
+            packed_w, _ = linears[0]._packed
+            assert packed_w.is_contiguous()
+            start = 0
+            for lin in linears:
+                assert storage_ptr(lin.weight) == storage_ptr(packed_w), (owner_name, lin)
+                assert lin.weight.data_ptr() == packed_w[start].data_ptr()
+                assert lin.weight.is_contiguous()
+                start += lin.weight.shape[0]
+            assert start == packed_w.shape[0]
+            checked += 1
+    assert checked == 2 * len(model.model.layers)
+
+
+def _storage_bytes(model) -> int:
+    seen = {}
+    for p in model.parameters():
+        s = p.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def test_projections_packed_and_memory_does_not_grow():
+    stock, fused = stock_and_fused_lm()
+    _assert_packed(fused)
+    assert _storage_bytes(fused) == _storage_bytes(stock)
+    assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in stock.parameters())
+
+
+def test_packing_survives_dtype_and_device_moves():
+    _, fused = stock_and_fused_lm()
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    fused.to(torch.float64)
+    _assert_packed(fused)
+    fused.to("cpu", torch.float32)
+    _assert_packed(fused)
+    after = fused.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_packed_weights_follow_in_place_updates():
+    """An optimizer step writes into the Linear views; the packed matrix the fused GEMM reads sees it."""
+    _, fused = stock_and_fused_lm()
+    mlp = fused.model.layers[0].mlp
+    with torch.no_grad():
+        mlp.up_proj.weight.add_(1.0)
+    packed_w, _ = mlp.gate_proj._packed
+    assert torch.equal(packed_w[mlp.gate_proj.weight.shape[0]:], mlp.up_proj.weight)
+
+
+def test_save_pretrained_writes_stock_checkpoint(tmp_path):
+    stock, fused = stock_and_fused_lm()
+    fused.save_pretrained(tmp_path / "fused")
+    stock.save_pretrained(tmp_path / "stock")
+    on_disk = load_file(tmp_path / "fused" / "model.safetensors")
+    ref = load_file(tmp_path / "stock" / "model.safetensors")
+    assert sorted(on_disk) == sorted(ref)
+    for key in ref:
+        assert on_disk[key].shape == ref[key].shape and on_disk[key].dtype == ref[key].dtype, key
+        assert torch.equal(on_disk[key], ref[key]), key
+    import json
+
+    config = json.loads((tmp_path / "fused" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text"
+    assert config["architectures"] == ["Qwen3_5FusedForCausalLM"] or config["architectures"] == ["Qwen3_5ForCausalLM"]
+
+    # A stock class loads what we wrote, with no missing or unexpected keys, and computes the same logits.
+    reloaded_stock, info = Qwen3_5ForCausalLM.from_pretrained(tmp_path / "fused", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    # And our class reloads it packed again, with identical tensors.
+    reloaded, info = modeling.Qwen3_5FusedForCausalLM.from_pretrained(tmp_path / "fused", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    _assert_packed(reloaded)
+    sd, sd_ref = reloaded.state_dict(), stock.state_dict()
+    assert sorted(sd) == sorted(sd_ref)
+    assert all(torch.equal(sd[k], sd_ref[k]) for k in sd_ref)
+    ids, mask = padded_batch(2, 9, "left")
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids, attention_mask=mask).logits,
+                           run_stock(reloaded_stock.eval(), input_ids=ids, attention_mask=mask).logits)
+
+
+def test_composite_model_fuses_text_backbone_only(tmp_path):
+    torch.manual_seed(0)
+    config = configuration.Qwen3_5FusedConfig(**composite_kwargs(), fused_kernels=True)
+    fused = modeling.Qwen3_5FusedForConditionalGeneration(config).eval()
+    from transformers import Qwen3_5Config
+
+    stock = Qwen3_5ForConditionalGeneration(Qwen3_5Config(**composite_kwargs())).eval()
+    assert not fused.load_state_dict(stock.state_dict()).missing_keys
+    text = fused.model.language_model
+    assert isinstance(text.layers[0].mlp, modeling.FusedMLP)
+    assert text.config.fused_kernels is True
+    assert all(type(m).__module__.startswith(("transformers.", "torch.")) for m in fused.model.visual.modules())
+    ids, mask = padded_batch(2, 11, "left")
+    with torch.no_grad():
+        assert torch.equal(fused(input_ids=ids, attention_mask=mask).logits,
+                           run_stock(stock, input_ids=ids, attention_mask=mask).logits)
+    assert fused.describe()["vision_tower"] == "stock"
+    fused.save_pretrained(tmp_path)
+    reloaded, info = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert sorted(reloaded.state_dict()) == sorted(stock.state_dict())
+
+
+def test_cpu_fallback_with_fla_installed_uses_torch_kernels():
+    """Stock transformers + fla sends CPU tensors into fla's Triton kernels (crash: '0 active drivers');
+    the fused classes route CPU tensors to the torch implementations."""
+    pytest.importorskip("fla", reason="this check needs flash-linear-attention installed (CI installs it)")
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as stock_mod
+    import inspect
+
+    fn = stock_mod.torch_chunk_gated_delta_rule
+    assert inspect.unwrap(fn) is not fn, "transformers did not route the chunked rule to fla; the check is moot"
+    stock, fused = stock_and_fused_lm()
+    ids, _ = padded_batch(1, 8, None)
+    with pytest.raises(Exception):
+        with torch.no_grad():
+            stock(input_ids=ids)  # the stock crash this guards against
+    with torch.no_grad():
+        assert torch.isfinite(fused(input_ids=ids).logits).all()
+    assert stock_mod.torch_chunk_gated_delta_rule is fn  # the routing is undone after the call
+
+
+def test_training_mode_and_gradients_fall_back_and_train():
+    stock, fused = stock_and_fused_lm()
+    fused.train()
+    ids, _ = padded_batch(2, 9, None)
+    out = fused(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert fused.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
+def test_fallback_is_announced_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(modeling.logger, "warning", lambda msg, *a, **k: calls.append(msg))
+    monkeypatch.setattr(modeling, "_announced", set())
+    _, fused = stock_and_fused_lm()
+    ids, _ = padded_batch(1, 5, None)
+    with torch.no_grad():
+        fused(input_ids=ids)
+        fused(input_ids=ids)
+    assert len(calls) == 1, calls
+    assert "stock transformers code" in calls[0] and ("cpu" in calls[0] or "CUDA" in calls[0])
+
+
+def test_describe_reports_paths():
+    _, fused = stock_and_fused_lm()
+    d = fused.describe()
+    assert d["fused_kernels"] is True
+    assert set(d["layers"]) == {"linear_attention", "full_attention", "mlp", "rms_norm", "decoder_layer"}
+    assert all(v["path"] == "stock" and v["reason"] for v in d["layers"].values())  # CPU
+    _, off = stock_and_fused_lm(fused_kernels=False)
+    assert all(v["reason"] == "fused_kernels is off" for v in off.describe()["layers"].values())
+
+
+def test_set_fused_kernels_toggles_and_validates():
+    _, fused = stock_and_fused_lm(fused_kernels=False)
+    fused.set_fused_kernels(True)
+    assert fused.config.fused_kernels is True and fused.model.layers[0].mlp._fused_enabled
+    with pytest.raises(ValueError, match="fused_kernels"):
+        fused.set_fused_kernels("yes")
+
+
+def test_generate_greedy_matches_stock():
+    stock, fused = stock_and_fused_lm()
+    ids, mask = padded_batch(3, 6, "left")
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        ref = generate_stock(stock, input_ids=ids, attention_mask=mask, **kw)
+        out = fused.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(out, ref)
