@@ -39,3 +39,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    versions = []
+    for name in ("torch", "transformers", "triton", "fla", "huggingface_hub"):
+        try:
+            module = __import__(name)
+            versions.append(f"{name} {getattr(module, '__version__', '?')}")
+        except Exception:
+            versions.append(f"{name} -")
+    return "versions: " + ", ".join(versions) + f"; cuda: {_HAS_CUDA}"
