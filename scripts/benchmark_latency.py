@@ -1,0 +1,365 @@
+"""Side-by-side latency benchmark: stock transformers Qwen3.5 and the fused classes, in one process, interleaved.
+
+    # real shapes with random weights (the GPU numbers in PERFORMANCE.md)
+    python scripts/benchmark_latency.py --shapes 0.8B,4B,9B --dtype bfloat16 --out out/bench
+    # a named model (folder or Hub id), e.g. the small model shipped in this repo
+    python scripts/benchmark_latency.py --model . --dtype float32
+    # CPU smoke run (what CI runs): tiny config, few repeats
+    python scripts/benchmark_latency.py --shapes tiny --device cpu --lengths 8,16 --requests 4 --new-tokens 4
+
+Measures, for each model: forward latency without cache at fixed lengths (median, p90; CUDA events on GPU), a
+request set with a realistic spread of lengths (median, mean, p90, p95, and requests over 2,048 tokens apart),
+decode ms/token and tokens/s through plain `generate()` at batch 1 and 8, and peak memory of a forward. On a GPU it
+also measures, in the same run, the two ceilings (device copy bandwidth, bf16 GEMM rate) and reports each time
+against its floor: the weight-read floor for decode (weight bytes / copy bandwidth) and the matmul floor for
+forwards (2 x parameters x tokens / GEMM rate). Writes `results.json`, `results.md` and `latency.png` to --out.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.common import import_repo, real_text_kwargs, tiny_text_kwargs  # noqa: E402
+
+
+def stock_cpu_guard(device):
+    """Stock Qwen3.5 + fla sends CPU tensors to fla's Triton kernels (a crash); on CPU route them to torch."""
+    import contextlib
+
+    if device.type != "cpu":
+        return contextlib.nullcontext()
+    return import_repo()[1]._torch_reference_kernels()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------- timing
+
+
+class Timer:
+    """Times a callable: CUDA events on GPU, perf_counter on CPU. Returns milliseconds."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def percentile(values, q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    k = (len(values) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summary(values) -> dict:
+    return {"median": statistics.median(values), "mean": statistics.fmean(values), "p90": percentile(values, 0.9),
+            "p95": percentile(values, 0.95), "n": len(values)}
+
+
+def measure_ceilings(device: torch.device) -> dict:
+    """Device copy bandwidth (bytes read + written) and bf16 GEMM rate on random data, measured now."""
+    if device.type != "cuda":
+        return {}
+    timer = Timer(device)
+    src = torch.randn(1024 * 1024 * 1024 // 2, device=device, dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    copy_ms = statistics.median(timer(lambda: dst.copy_(src)) for _ in range(20))
+    bandwidth = 2 * src.numel() * src.element_size() / (copy_ms * 1e-3)
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    gemm_ms = statistics.median(timer(lambda: a @ b) for _ in range(10))
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_bytes_per_s": bandwidth, "bf16_flops_per_s": 2 * n**3 / (gemm_ms * 1e-3)}
+
+
+# ---------------------------------------------------------------------------------------------------------- models
+
+
+def build_pair(shape: str | None, model_id: str | None, device, dtype, seed: int = 0):
+    """(stock, fused) models with identical weights. Random weights for `shape`, else loaded from `model_id`."""
+    from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    configuration, modeling, _ = import_repo()
+    if model_id is not None:
+        stock = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype).to(device).eval()
+        fused = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, trust_remote_code=True,
+                                                     fused_kernels=True).to(device).eval()
+        return stock, fused
+    kwargs = tiny_text_kwargs() if shape == "tiny" else real_text_kwargs(shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        stock = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**kwargs)).to(dtype).eval()
+    # Build the fused model on the meta device and hand it the stock model's tensors (no second copy is
+    # allocated and then freed), then pack: packing copies each projection group once into its packed matrix.
+    with torch.device("meta"):
+        fused = modeling.Qwen3_5FusedForCausalLM(configuration.Qwen3_5FusedTextConfig(**kwargs, fused_kernels=True))
+    fused.load_state_dict(stock.state_dict(), assign=True)
+    for name, buf in stock.named_buffers():  # non-persistent buffers (rotary inv_freq) are not in the state dict
+        owner, _, attr = name.rpartition(".")
+        setattr(fused.get_submodule(owner), attr, buf)
+    fused.to(dtype).eval()
+    fused._refresh_fused()
+    return stock, fused
+
+
+def param_counts(model) -> dict:
+    embed = model.get_input_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
+    head = model.lm_head.weight.numel()
+    body = total - embed.numel() - (0 if tied else head)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"total": total, "body": body, "lm_head": head, "tied": tied, "weight_bytes": nbytes}
+
+
+# ---------------------------------------------------------------------------------------------------------- runs
+
+
+def forward_latency(models: dict, lengths, batch, repeats, device, vocab, timer) -> dict:  # noqa: PLR0913
+    out = {name: {} for name in models}
+    for T in lengths:
+        ids = torch.randint(0, vocab, (batch, T), device=device)
+        for name, model in models.items():
+            for _ in range(2):
+                with torch.inference_mode(), stock_cpu_guard(device):
+                    model(input_ids=ids, logits_to_keep=1)
+        times = {name: [] for name in models}
+        for _ in range(repeats):
+            for name, model in models.items():  # interleaved: drift hits both alike
+                with torch.inference_mode(), stock_cpu_guard(device):
+                    times[name].append(timer(lambda: model(input_ids=ids, logits_to_keep=1)))
+        for name in models:
+            out[name][T] = summary(times[name])
+        log(f"forward T={T}: " + ", ".join(f"{n} {out[n][T]['median']:.2f} ms" for n in models))
+    return out
+
+
+def request_lengths(n: int, max_len: int, seed: int = 0) -> list[int]:
+    """A request set with a realistic spread: log-normal lengths (median ~300 tokens), a tail past 2,048."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.exp(torch.randn(n, generator=g) * 1.1 + math.log(300))
+    return [int(min(max_len, max(8, round(x)))) for x in raw.tolist()]
+
+
+def request_set(models: dict, lengths, device, vocab, timer) -> dict:
+    times = {name: [] for name in models}
+    for i, T in enumerate(lengths):
+        ids = torch.randint(0, vocab, (1, T), device=device)
+        for name, model in models.items():
+            with torch.inference_mode(), stock_cpu_guard(device):
+                model(input_ids=ids, logits_to_keep=1)  # first call at a new length may autotune / allocate
+                times[name].append(timer(lambda: model(input_ids=ids, logits_to_keep=1)))
+        if (i + 1) % 10 == 0 or i + 1 == len(lengths):
+            log(f"requests {i + 1}/{len(lengths)}")
+    out = {}
+    for name in models:
+        long = [t for t, T in zip(times[name], lengths) if T > 2048]
+        out[name] = {"all": summary(times[name]), "over_2048": summary(long) if long else None}
+    return out
+
+
+def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, device, vocab) -> dict:
+    """ms per generated token through plain generate(): (time for N new tokens - time for 1) / (N - 1)."""
+    ids = torch.randint(3, vocab, (batch, prompt_len), device=device)
+    mask = torch.ones_like(ids)
+    out = {}
+    for name, model in models.items():
+        def run(n):
+            with torch.inference_mode(), stock_cpu_guard(device):
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        run(4)
+        t0 = time.perf_counter()
+        run(1)
+        t1 = time.perf_counter()
+        run(new_tokens)
+        t2 = time.perf_counter()
+        per_token = ((t2 - t1) - (t1 - t0)) / (new_tokens - 1) * 1e3
+        out[name] = {"ms_per_token": per_token, "tokens_per_s": batch * 1e3 / per_token}
+        log(f"decode batch={batch} {name}: {per_token:.2f} ms/token")
+    return out
+
+
+def peak_memory(models: dict, T: int, device, vocab) -> dict:
+    if device.type != "cuda":
+        return {}
+    ids = torch.randint(0, vocab, (1, T), device=device)
+    out = {}
+    for name, model in models.items():
+        # Both models are resident; each one's peak = its own weights + what its forward allocates on top.
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.inference_mode():
+            model(input_ids=ids, logits_to_keep=1)
+        torch.cuda.synchronize()
+        activations = torch.cuda.max_memory_allocated() - base
+        out[name] = {"peak_bytes": param_counts(model)["weight_bytes"] + activations, "activation_bytes": activations}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- report
+
+
+def to_markdown(results: dict) -> str:
+    lines = [f"Run: {results['meta']['date']}, {results['meta']['device_name']}, torch {results['meta']['torch']}, "
+             f"transformers {results['meta']['transformers']}, fla {results['meta']['fla']}, dtype {results['meta']['dtype']}",
+             f"Command: `{results['meta']['command']}`", ""]
+    ceil = results.get("ceilings") or {}
+    if ceil:
+        lines += [f"Measured ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM "
+                  f"{ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", ""]
+    lines += ["| model | T | stock ms | fused ms | speed-up | matmul floor ms | fused / floor |", "|---|---|---|---|---|---|---|"]
+    for name, r in results["models"].items():
+        for T, s in r["forward"]["stock"].items():
+            f = r["forward"]["fused"][T]
+            floor = r["floors"]["forward_ms"].get(str(T)) if r["floors"] else None
+            lines.append(f"| {name} | {T} | {s['median']:.2f} | {f['median']:.2f} | {s['median'] / f['median']:.2f}x | "
+                         + (f"{floor:.2f} | {f['median'] / floor:.2f}x |" if floor else "- | - |"))
+    lines += ["", "| model | requests | stock median / mean / p90 / p95 ms | fused median / mean / p90 / p95 ms | > 2048 tokens stock / fused |",
+              "|---|---|---|---|---|"]
+    for name, r in results["models"].items():
+        if not r.get("requests"):
+            continue
+        s, f = r["requests"]["stock"], r["requests"]["fused"]
+        fmt = lambda a: " / ".join(f"{a[k]:.2f}" for k in ("median", "mean", "p90", "p95"))  # noqa: E731
+        long = f"{s['over_2048']['median']:.1f} / {f['over_2048']['median']:.1f}" if s["over_2048"] else "-"
+        lines.append(f"| {name} | {s['all']['n']} | {fmt(s['all'])} | {fmt(f['all'])} | {long} |")
+    lines += ["", "| model | batch | stock ms/token | fused ms/token | speed-up | fused tokens/s | weight-read floor ms | fused / floor |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, r in results["models"].items():
+        for batch, d in r.get("decode", {}).items():
+            floor = r["floors"].get("decode_ms") if r["floors"] else None
+            s, f = d["stock"]["ms_per_token"], d["fused"]["ms_per_token"]
+            lines.append(f"| {name} | {batch} | {s:.2f} | {f:.2f} | {s / f:.2f}x | {d['fused']['tokens_per_s']:.0f} | "
+                         + (f"{floor:.2f} | {f / floor:.2f}x |" if floor else "- | - |"))
+    mem = [(n, r["memory"]) for n, r in results["models"].items() if r.get("memory")]
+    if mem:
+        lines += ["", "| model | peak memory stock GiB | fused GiB | fused / stock |", "|---|---|---|---|"]
+        for name, m in mem:
+            s, f = m["stock"]["peak_bytes"], m["fused"]["peak_bytes"]
+            lines.append(f"| {name} | {s / 2**30:.2f} | {f / 2**30:.2f} | {f / s:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, r in results["models"].items():
+        Ts = sorted(int(t) for t in r["forward"]["stock"])
+        for kind, style in (("stock", "--"), ("fused", "-")):
+            ax.plot(Ts, [r["forward"][kind][str(T)]["median"] for T in Ts], style, marker="o", label=f"{name} {kind}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens (batch 1, no cache)")
+    ax.set_ylabel("forward latency, median ms")
+    ax.set_title(f"Qwen3.5 forward: stock vs fused ({results['meta']['device_name']})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="0.8B,4B", help="comma list of real shapes (0.8B,4B,9B,27B) or 'tiny'")
+    p.add_argument("--model", default=None, help="folder or Hub id instead of --shapes")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--lengths", default="128,512,2048")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--requests", type=int, default=60, help="size of the request set (0: skip)")
+    p.add_argument("--max-request-len", type=int, default=4096)
+    p.add_argument("--decode-batches", default="1,8")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--out", default="out/bench")
+    args = p.parse_args(argv)
+
+    import transformers
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    try:
+        import fla
+        fla_version = fla.__version__
+    except Exception:
+        fla_version = "-"
+    results = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M"), "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                        "torch": torch.__version__, "transformers": transformers.__version__, "fla": fla_version,
+                        "dtype": args.dtype, "command": "python scripts/benchmark_latency.py " + " ".join(argv if argv is not None else sys.argv[1:])},
+               "ceilings": measure_ceilings(device), "models": {}}
+    if results["ceilings"]:
+        log(f"ceilings: copy {results['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+            f"GEMM {results['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    timer = Timer(device)
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    targets = [("model", None)] if args.model else [(s, s) for s in args.shapes.split(",")]
+    for name, shape in targets:
+        log(f"building {name if shape else args.model} ({args.dtype}, {device})")
+        stock, fused = build_pair(shape, args.model, device, dtype)
+        models = {"stock": stock, "fused": fused}
+        vocab = stock.config.vocab_size
+        counts = param_counts(stock)
+        r = {"params": counts, "describe": fused.describe()["layers"]}
+        r["forward"] = {k: {str(T): v for T, v in d.items()} for k, d in
+                        forward_latency(models, lengths, 1, args.repeats, device, vocab, timer).items()}
+        if args.requests:
+            r["requests"] = request_set(models, request_lengths(args.requests, args.max_request_len), device, vocab, timer)
+        r["decode"] = {b: decode_speed(models, int(b), args.prompt_len, args.new_tokens, device, vocab)
+                       for b in args.decode_batches.split(",") if b}
+        r["memory"] = peak_memory(models, max(lengths), device, vocab)
+        ceil = results["ceilings"]
+        r["floors"] = {"forward_ms": {str(T): 2 * (counts["body"] * T + counts["lm_head"]) / ceil["bf16_flops_per_s"] * 1e3 for T in lengths},
+                       "decode_ms": counts["weight_bytes"] / ceil["copy_bytes_per_s"] * 1e3} if ceil else {}
+        results["models"][name] = r
+        del stock, fused, models
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    md = to_markdown(results)
+    (out / "results.md").write_text(md)
+    plot(results, out / "latency.png")
+    print(md)
+    return results
+
+
+if __name__ == "__main__":
+    main()
