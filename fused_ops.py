@@ -7,7 +7,16 @@ check reads every file of a Hub repo, so nothing in this file may fail at import
 
 Shape alphabet: B batch, T tokens, H attention heads, KV key/value heads, D head dim, R rotary dim, N hidden size,
 I intermediate size, HV linear-attention value heads, K / V linear key / value head dims.
+
+Triton ops (each `name()` beside its plain-torch `name_ref()`; fp32 / bf16 / fp16 in, fp32 math inside, rounded to
+the input dtype exactly where stock rounds):
+- `rms_norm`: zero-centred RMSNorm, optionally fused with the residual add before it.
+- `attn_prep`: split of the fused q|gate, k, v projection -> q / k RMSNorm -> partial RoPE, one launch.
+- `sigmoid_gate_mul`: the full-attention output gate `o * sigmoid(gate)`.
+- `swiglu`: `silu(g) * u` of the fused gate|up projection.
 """
+
+import contextlib
 
 import torch
 
@@ -53,3 +62,622 @@ def fla_rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
     fp32 until the end, a bf16-rounding-level difference).
     """
     return _fla_rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Launch shapes. Not measured on an H200 yet; the reasoning: a tile of _TILE elements with 8 elements per thread
+# gives every thread one 16-byte load of bf16, and we stop packing several rows (or heads) into one program once
+# that would leave fewer than _MIN_PROGRAMS programs (4 per SM on the 132 SMs of an H200), so decode (T=1) and
+# short prompts keep one row per program and spread over the SMs.
+_TILE = 4096
+_ELEMS_PER_THREAD = 8
+_MIN_PROGRAMS = 4 * 132
+# swiglu has no reduction, so a row is cut into blocks of this many outputs: 1024 divides 3584 into 4 blocks
+# (87.5% of lanes busy) and 9216 into 9 (100%), and gives 9 programs per token at decode instead of 3.
+_SWIGLU_BLOCK = 1024
+
+
+def _num_warps(tile_elems: int) -> int:
+    """Warps for a tile of `tile_elems` elements: about `_ELEMS_PER_THREAD` elements per thread, 1 to 16 warps."""
+    return max(1, min(16, tile_elems // (32 * _ELEMS_PER_THREAD)))
+
+
+def _units_per_program(n_units: int, unit_elems: int, cap: int) -> int:
+    """How many rows (or heads) of `unit_elems` elements one program takes: a power of two that fills at most a
+    `_TILE`-element tile, is at most `cap`, and still leaves `_MIN_PROGRAMS` programs for `n_units` units."""
+    n = max(1, min(_TILE // unit_elems, n_units // _MIN_PROGRAMS, cap))
+    return 1 << (n.bit_length() - 1)
+
+
+def _device_guard(t: torch.Tensor):
+    """Launch on `t`'s GPU even when another one is current (Triton launches on the current device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _check_triton(op: str) -> None:
+    if not HAS_TRITON:
+        raise RuntimeError(f"fused_ops.{op} needs triton, which is not installed; use {op}_ref instead.")
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}.")
+
+
+def _check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}.")
+
+
+def _check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got shape {tuple(t.shape)} strides {t.stride()}.")
+
+
+def _batch_stride(t: torch.Tensor) -> int:
+    """Stride of dim 0, or 0 where dim 0 has size 1 (broadcast over the batch)."""
+    return 0 if t.shape[0] == 1 else t.stride(0)
+
+
+def _as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """`t` [..., N] as a [rows, N] view (any row stride), without a copy; ValueError where no such view exists."""
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        raise ValueError(
+            f"{name} with shape {tuple(t.shape)} and strides {t.stride()} cannot be seen as [rows, {t.shape[-1]}] "
+            "with one row stride; pass a tensor whose leading dims can be flattened without a copy."
+        ) from None
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _round_to(x, DT: tl.constexpr):
+        """`x` (float32) rounded to nearest-even in dtype DT, returned as float32. bfloat16 is rounded by hand because
+        the Triton interpreter's float32 -> bfloat16 cast truncates; this keeps CPU (CI) and GPU results identical,
+        and costs three integer ops on the GPU."""
+        if DT == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            y = bits.to(tl.float32, bitcast=True)
+        elif DT == tl.float16:
+            y = x.to(tl.float16).to(tl.float32)
+        else:
+            y = x
+        return y
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. RMSNorm (zero-centred weight), optionally fused with the residual add before it
+# ---------------------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr,
+        r_ptr,
+        w_ptr,
+        y_ptr,
+        h_ptr,
+        n_rows,
+        N,
+        stride_x,
+        stride_r,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        o_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows
+        o_n = tl.arange(0, BLOCK_N)  # [BN] features
+        m_n = o_n < N
+        m = (o_m < n_rows)[:, None] & m_n[None, :]  # [BM, BN]
+
+        b_x = tl.load(x_ptr + o_m[:, None] * stride_x + o_n[None, :], mask=m, other=0.0)  # [BM, BN]
+        if HAS_RESIDUAL:
+            b_r = tl.load(r_ptr + o_m[:, None] * stride_r + o_n[None, :], mask=m, other=0.0)
+            # the sum is rounded to the model dtype, as stock `residual + hidden_states` is
+            b_x = _round_to(b_x.to(tl.float32) + b_r.to(tl.float32), h_ptr.dtype.element_ty)
+            tl.store(h_ptr + o_m[:, None] * N + o_n[None, :], b_x.to(h_ptr.dtype.element_ty), mask=m)
+        b_x = b_x.to(tl.float32)
+
+        b_rstd = tl.math.rsqrt(tl.sum(b_x * b_x, axis=1) / N + eps)  # [BM]
+        b_w = 1.0 + tl.load(w_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)  # [BN]
+        b_y = _round_to(b_x * b_rstd[:, None] * b_w[None, :], y_ptr.dtype.element_ty)
+        tl.store(y_ptr + o_m[:, None] * N + o_n[None, :], b_y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Zero-centred RMSNorm over the last dim, optionally after adding a residual, in one pass.
+
+    Math (fp32 inside): `h = x + residual` (rounded to x.dtype), `y = h * rsqrt(mean(h^2) + eps) * (1 + weight)`.
+
+    Args:
+        x: [..., N] float32 / bfloat16 / float16; last dim contiguous, any row stride (the leading dims must
+            flatten to rows without a copy, e.g. a [rows, N] slice of a wider buffer).
+        weight: [N], contiguous, any float dtype (read as float32); zero-centred, as stored by Qwen3.5.
+        eps: the epsilon added to the mean square (config.rms_norm_eps).
+        residual: optional [..., N], same shape, dtype and device as x; last dim contiguous, any row stride.
+
+    Returns:
+        `y` [..., N] contiguous in x.dtype; with `residual`, the tuple `(y, h)` where `h` [..., N] contiguous is
+        the rounded sum, i.e. the next residual.
+
+    Replaces stock `Qwen3_5RMSNorm.forward`, and `hidden_states = residual + hidden_states` followed by
+    `post_attention_layernorm` / the next layer's `input_layernorm` in `Qwen3_5DecoderLayer.forward`.
+
+    Example:
+        >>> y, h = rms_norm(attn_out, layer.post_attention_layernorm.weight, 1e-6, residual=hidden)
+    """
+    _check_triton("rms_norm")
+    _check_float("x", x)
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x must have a non-empty feature dim, got shape {tuple(x.shape)}.")
+    N = x.shape[-1]
+    if weight.shape != (N,):
+        raise ValueError(f"weight must have shape ({N},) to match x {tuple(x.shape)}, got {tuple(weight.shape)}.")
+    _check_float("weight", weight)
+    _check_last_dim_contiguous("x", x)
+    _check_last_dim_contiguous("weight", weight)
+    _check_same_device(x=x, weight=weight)
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"residual must match x: x is {tuple(x.shape)} {x.dtype}, residual is "
+                f"{tuple(residual.shape)} {residual.dtype}."
+            )
+        _check_last_dim_contiguous("residual", residual)
+        _check_same_device(x=x, residual=residual)
+
+    x_rows = _as_rows("x", x)
+    r_rows = _as_rows("residual", residual) if residual is not None else x_rows
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else y
+    n_rows = x_rows.shape[0]
+    if n_rows > 0 and N > 0:
+        BLOCK_N = triton.next_power_of_2(N)
+        BLOCK_M = _units_per_program(n_rows, BLOCK_N, cap=triton.next_power_of_2(n_rows))
+        with _device_guard(x):
+            _rms_norm_kernel[(triton.cdiv(n_rows, BLOCK_M),)](
+                x_rows,
+                r_rows,
+                weight,
+                y,
+                h,
+                n_rows,
+                N,
+                x_rows.stride(0),
+                r_rows.stride(0),
+                eps,
+                HAS_RESIDUAL=residual is not None,
+                BLOCK_M=BLOCK_M,
+                BLOCK_N=BLOCK_N,
+                num_warps=_num_warps(BLOCK_M * BLOCK_N),
+            )
+    return (y, h) if residual is not None else y
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch `rms_norm`, written as stock `Qwen3_5RMSNorm` and the decoder layer's residual add compute it."""
+    h = x + residual if residual is not None else x
+    h_f32 = h.float()
+    y = h_f32 * torch.rsqrt(h_f32.pow(2).mean(-1, keepdim=True) + eps)
+    y = (y * (1.0 + weight.float())).to(x.dtype)
+    return (y, h) if residual is not None else y
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. Attention input prep: split of the fused q|gate, k, v projection -> q/k RMSNorm -> partial RoPE -> gate
+# ---------------------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _qk_norm_rope_tile(
+        p_x,
+        p_o,
+        w_ptr,
+        p_cos,
+        p_sin,
+        m_h,
+        eps,
+        D: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """Normalise the heads at `p_x` ([BH, 1] pointers to each head's first element) over D, rotate their first
+        R dims with the row's cos / sin, and store them at `p_o`, rounding after every step as stock does."""
+        o_d = tl.arange(0, BLOCK_D)  # [BD]
+        m_d = o_d < D
+        m_rot = o_d < R
+        # rotate_half partner: dim i < R/2 pairs with i + R/2 (and is negated), dim R/2 <= i < R with i - R/2
+        o_p = tl.where(o_d < R // 2, o_d + R // 2, o_d - R // 2)
+        o_p = tl.where(m_rot, o_p, o_d)
+        m = m_h[:, None] & m_d[None, :]  # [BH, BD]
+        m_p = m_h[:, None] & m_rot[None, :]
+        dt = p_o.dtype.element_ty
+
+        b_x = tl.load(p_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)  # [BH, BD]
+        b_xp = tl.load(p_x + o_p[None, :], mask=m_p, other=0.0).to(tl.float32)  # [BH, BD] partners
+        b_rstd = tl.math.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)  # [BH]
+        b_w = 1.0 + tl.load(w_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
+        b_wp = 1.0 + tl.load(w_ptr + o_p, mask=m_rot, other=0.0).to(tl.float32)
+        # q_norm / k_norm output, rounded to the model dtype as `Qwen3_5RMSNorm` returns it
+        b_n = _round_to(b_x * b_rstd[:, None] * b_w[None, :], dt)
+        b_np = _round_to(b_xp * b_rstd[:, None] * b_wp[None, :], dt)
+
+        b_cos = tl.load(p_cos + o_d, mask=m_rot, other=0.0).to(tl.float32)  # [BD]
+        b_sin = tl.load(p_sin + o_d, mask=m_rot, other=0.0).to(tl.float32)
+        b_sign = tl.where(o_d < R // 2, -1.0, 1.0)
+        # stock `q * cos + rotate_half(q) * sin` in the model dtype: each product and the sum rounded
+        b_a = _round_to(b_n * b_cos[None, :], dt)
+        b_b = _round_to(b_np * b_sign[None, :] * b_sin[None, :], dt)
+        b_o = tl.where(m_rot[None, :], _round_to(b_a + b_b, dt), b_n)
+        tl.store(p_o + o_d[None, :], b_o.to(dt), mask=m)
+
+    @triton.jit
+    def _attn_prep_kernel(
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        qw_ptr,
+        kw_ptr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        g_ptr,
+        T,
+        stride_qkv_b,
+        stride_qkv_t,
+        stride_cos_b,
+        stride_cos_t,
+        stride_sin_b,
+        stride_sin_t,
+        eps,
+        H: tl.constexpr,
+        KV: tl.constexpr,
+        D: tl.constexpr,
+        R: tl.constexpr,
+        N_QB: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # program (token, head block): blocks [0, N_QB) hold query heads (+ their gates), the rest key heads (+ v)
+        i_bt = tl.program_id(0).to(tl.int64)
+        i_g = tl.program_id(1)
+        i_b = i_bt // T
+        i_t = i_bt % T
+        p_row = qkv_ptr + i_b * stride_qkv_b + i_t * stride_qkv_t
+        p_cos = cos_ptr + i_b * stride_cos_b + i_t * stride_cos_t
+        p_sin = sin_ptr + i_b * stride_sin_b + i_t * stride_sin_t
+        o_d = tl.arange(0, BLOCK_D)  # [BD]
+        if i_g < N_QB:
+            o_h = i_g * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] query heads
+            m_h = o_h < H
+            # q_proj output per head is [q (D) | gate (D)]
+            p_x = p_row + o_h[:, None] * (2 * D)  # [BH, 1]
+            p_o = q_ptr + i_bt * (H * D) + o_h[:, None] * D
+            _qk_norm_rope_tile(p_x, p_o, qw_ptr, p_cos, p_sin, m_h, eps, D, R, BLOCK_D)
+            m = m_h[:, None] & (o_d < D)[None, :]
+            b_g = tl.load(p_x + D + o_d[None, :], mask=m)
+            tl.store(g_ptr + i_bt * (H * D) + o_h[:, None] * D + o_d[None, :], b_g, mask=m)
+        else:
+            o_h = (i_g - N_QB) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] key / value heads
+            m_h = o_h < KV
+            p_x = p_row + H * 2 * D + o_h[:, None] * D  # [BH, 1]
+            p_o = k_ptr + i_bt * (KV * D) + o_h[:, None] * D
+            _qk_norm_rope_tile(p_x, p_o, kw_ptr, p_cos, p_sin, m_h, eps, D, R, BLOCK_D)
+            m = m_h[:, None] & (o_d < D)[None, :]
+            b_v = tl.load(p_x + KV * D + o_d[None, :], mask=m)
+            tl.store(v_ptr + i_bt * (KV * D) + o_h[:, None] * D + o_d[None, :], b_v, mask=m)
+
+
+def attn_prep(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the fused q|gate, k, v projection, RMSNorm q and k per head, rotate them, and keep the gate: one launch.
+
+    Math per token and head (fp32 inside, rounded to the input dtype after each step exactly where stock rounds):
+    `n = rmsnorm(x) * (1 + w)`, `out = n * cos + rotate_half(n) * sin` on dims [0, R), `out = n` on [R, D).
+
+    Args:
+        qkv: [B, T, H*2*D + KV*D + KV*D] float32 / bfloat16 / float16, the last-dim concatenation of stock
+            `q_proj(x)` (per head [q (D) | gate (D)]), `k_proj(x)` and `v_proj(x)`; last dim contiguous, batch and
+            token strides arbitrary.
+        cos, sin: [B, T, R] or [1, T, R] (or batch stride 0), same dtype as qkv, as returned by stock
+            `Qwen3_5TextRotaryEmbedding` (mRoPE sections interleaved, frequencies repeated); R even, 0 < R <= D;
+            last dim contiguous.
+        q_weight, k_weight: [D] contiguous, any float dtype: `q_norm.weight`, `k_norm.weight` (zero-centred).
+        eps: `config.rms_norm_eps`.
+        num_heads, num_kv_heads, head_dim: H, KV, D.
+
+    Returns:
+        `(q, k, v, gate)`: q [B, H, T, D], k and v [B, KV, T, D], each a `.transpose(1, 2)` view of a contiguous
+        [B, T, heads, D] buffer (the layout stock hands to the attention function); gate [B, T, H*D] contiguous.
+        v and gate are exact copies.
+
+    Replaces the chain in stock `Qwen3_5Attention.forward` from `torch.chunk(q_proj(...))` through `q_norm`,
+    `k_norm`, the v view and `apply_rotary_pos_emb`. Rounding: stock's exactly (each product and sum of the
+    rotation rounded to the dtype, which costs a few register ops), so the only differences come from the fp32
+    sum of squares (another order) and, on the GPU, the approximate rsqrt; they move a bf16 / fp16 result by one
+    unit in the last place, rarely. v and gate are bit-exact.
+    """
+    _check_triton("attn_prep")
+    H, KV, D = num_heads, num_kv_heads, head_dim
+    if min(H, KV, D) < 1:
+        raise ValueError(f"num_heads, num_kv_heads, head_dim must be positive, got {H}, {KV}, {D}.")
+    _check_float("qkv", qkv)
+    width = H * 2 * D + 2 * KV * D
+    if qkv.dim() != 3 or qkv.shape[-1] != width:
+        raise ValueError(
+            f"qkv must be [B, T, H*2*D + 2*KV*D] = [B, T, {width}] for H={H}, KV={KV}, D={D}, "
+            f"got {tuple(qkv.shape)}."
+        )
+    B, T = qkv.shape[:2]
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}.")
+    if cos.dim() != 3 or cos.shape[0] not in (1, B) or cos.shape[1] != T:
+        raise ValueError(f"cos / sin must be [{B} or 1, {T}, R] for qkv {tuple(qkv.shape)}, got {tuple(cos.shape)}.")
+    R = cos.shape[-1]
+    if R < 2 or R % 2 or R > D:
+        raise ValueError(f"the rotary dim R = cos.shape[-1] must be even and in [2, head_dim={D}], got {R}.")
+    if cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
+        raise ValueError(f"cos / sin must have qkv's dtype {qkv.dtype}, got {cos.dtype} / {sin.dtype}.")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (D,):
+            raise ValueError(f"{name} must have shape ({D},), got {tuple(w.shape)}.")
+        _check_float(name, w)
+        _check_last_dim_contiguous(name, w)
+    for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin)):
+        _check_last_dim_contiguous(name, t)
+    _check_same_device(qkv=qkv, cos=cos, sin=sin, q_weight=q_weight, k_weight=k_weight)
+
+    q = torch.empty(B, T, H, D, dtype=qkv.dtype, device=qkv.device)  # [B, T, H, D]
+    k = torch.empty(B, T, KV, D, dtype=qkv.dtype, device=qkv.device)  # [B, T, KV, D]
+    v = torch.empty(B, T, KV, D, dtype=qkv.dtype, device=qkv.device)  # [B, T, KV, D]
+    gate = torch.empty(B, T, H * D, dtype=qkv.dtype, device=qkv.device)  # [B, T, H*D]
+    n_rows = B * T
+    if n_rows > 0:
+        BLOCK_D = triton.next_power_of_2(D)
+        BLOCK_H = _units_per_program(n_rows * (H + KV), BLOCK_D, cap=KV)
+        n_qb = triton.cdiv(H, BLOCK_H)
+        grid = (n_rows, n_qb + triton.cdiv(KV, BLOCK_H))
+
+        with _device_guard(qkv):
+            _attn_prep_kernel[grid](
+                qkv,
+                cos,
+                sin,
+                q_weight,
+                k_weight,
+                q,
+                k,
+                v,
+                gate,
+                T,
+                qkv.stride(0),
+                qkv.stride(1),
+                _batch_stride(cos),
+                cos.stride(1),
+                _batch_stride(sin),
+                sin.stride(1),
+                eps,
+                H=H,
+                KV=KV,
+                D=D,
+                R=R,
+                N_QB=n_qb,
+                BLOCK_H=BLOCK_H,
+                BLOCK_D=BLOCK_D,
+                num_warps=_num_warps(BLOCK_H * BLOCK_D),
+            )
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate
+
+
+def attn_prep_ref(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-torch `attn_prep`, step by step as stock `Qwen3_5Attention.forward` computes it."""
+    H, KV, D = num_heads, num_kv_heads, head_dim
+    B, T = qkv.shape[:2]
+    q_gate, k, v = torch.split(qkv, [H * 2 * D, KV * D, KV * D], dim=-1)
+    q, gate = torch.chunk(q_gate.view(B, T, H, 2 * D), 2, dim=-1)  # [B, T, H, D] each
+    gate = gate.reshape(B, T, H * D)
+    q = rms_norm_ref(q, q_weight, eps).transpose(1, 2)  # [B, H, T, D]
+    k = rms_norm_ref(k.reshape(B, T, KV, D), k_weight, eps).transpose(1, 2)  # [B, KV, T, D]
+    v = v.reshape(B, T, KV, D).transpose(1, 2)  # [B, KV, T, D]
+
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, R]
+    R = cos.shape[-1]
+
+    def rotate(x):
+        x_rot, x_pass = x[..., :R], x[..., R:]
+        x1, x2 = x_rot[..., : R // 2], x_rot[..., R // 2 :]
+        return torch.cat([x_rot * cos + torch.cat([-x2, x1], dim=-1) * sin, x_pass], dim=-1)
+
+    return rotate(q), rotate(k), v, gate
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. Output gate of full attention: o * sigmoid(gate)
+# ---------------------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _sigmoid_gate_mul_kernel(
+        o_ptr,
+        g_ptr,
+        y_ptr,
+        T,
+        stride_o_b,
+        stride_o_t,
+        stride_o_h,
+        stride_o_d,
+        stride_g_b,
+        stride_g_t,
+        H: tl.constexpr,
+        D: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        i_bt = tl.program_id(0).to(tl.int64)
+        i_b = i_bt // T
+        i_t = i_bt % T
+        o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
+        o_d = tl.arange(0, BLOCK_D)  # [BD]
+        m = (o_h < H)[:, None] & (o_d < D)[None, :]  # [BH, BD]
+        dt = y_ptr.dtype.element_ty
+
+        p_o = o_ptr + i_b * stride_o_b + i_t * stride_o_t + o_h[:, None] * stride_o_h + o_d[None, :] * stride_o_d
+        b_o = tl.load(p_o, mask=m, other=0.0).to(tl.float32)
+        b_g = tl.load(g_ptr + i_b * stride_g_b + i_t * stride_g_t + o_h[:, None] * D + o_d[None, :], mask=m, other=0.0)
+        # stock rounds torch.sigmoid(gate) to the model dtype before the product
+        b_s = _round_to(1.0 / (1.0 + tl.exp(-b_g.to(tl.float32))), dt)
+        b_y = _round_to(b_o * b_s, dt)
+        tl.store(y_ptr + i_bt * (H * D) + o_h[:, None] * D + o_d[None, :], b_y.to(dt), mask=m)
+
+
+def sigmoid_gate_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gate the attention output: `y = o * sigmoid(gate)`, reading `o` in whatever layout attention left it.
+
+    Math: `y = o * sigmoid(gate)` (sigmoid rounded to the dtype, then the product, as stock).
+
+    Args:
+        o: [B, T, H, D] float32 / bfloat16 / float16 with arbitrary strides (e.g. an attention output
+            [B, H, T, D] `.transpose(1, 2)`), or [B, T, H*D] with any strides.
+        gate: [B, T, H*D], same dtype and device as o; last dim contiguous, batch and token strides arbitrary
+            (the `gate` returned by `attn_prep`).
+
+    Returns:
+        y [B, T, H*D] contiguous, in o.dtype.
+
+    Replaces stock `attn_output.reshape(*input_shape, -1).contiguous()` and `attn_output * torch.sigmoid(gate)`
+    in `Qwen3_5Attention.forward`.
+    """
+    _check_triton("sigmoid_gate_mul")
+    _check_float("o", o)
+    if o.dim() == 3:
+        o = o.unsqueeze(2)  # [B, T, 1, H*D]
+    if o.dim() != 4:
+        raise ValueError(f"o must be [B, T, H, D] or [B, T, H*D], got {tuple(o.shape)}.")
+    B, T, H, D = o.shape
+    if gate.shape != (B, T, H * D):
+        raise ValueError(
+            f"gate must be [B, T, H*D] = {(B, T, H * D)} to match o {tuple(o.shape)}, got {tuple(gate.shape)}."
+        )
+    if gate.dtype != o.dtype:
+        raise ValueError(f"gate must have o's dtype {o.dtype}, got {gate.dtype}.")
+    _check_last_dim_contiguous("gate", gate)
+    _check_same_device(o=o, gate=gate)
+
+    y = torch.empty(B, T, H * D, dtype=o.dtype, device=o.device)
+    n_rows = B * T
+    if n_rows > 0 and H * D > 0:
+        BLOCK_D = triton.next_power_of_2(D)
+        BLOCK_H = _units_per_program(n_rows * H, BLOCK_D, cap=H)
+        with _device_guard(o):
+            _sigmoid_gate_mul_kernel[(n_rows, triton.cdiv(H, BLOCK_H))](
+                o,
+                gate,
+                y,
+                T,
+                *o.stride(),
+                gate.stride(0),
+                gate.stride(1),
+                H=H,
+                D=D,
+                BLOCK_H=BLOCK_H,
+                BLOCK_D=BLOCK_D,
+                num_warps=_num_warps(BLOCK_H * BLOCK_D),
+            )
+    return y
+
+
+def sigmoid_gate_mul_ref(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Plain-torch `sigmoid_gate_mul`, as stock `Qwen3_5Attention.forward` computes it."""
+    return o.reshape(*gate.shape).contiguous() * torch.sigmoid(gate)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. SwiGLU of the fused gate|up projection
+# ---------------------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _swiglu_kernel(gu_ptr, y_ptr, stride_gu, I, BLOCK_I: tl.constexpr):
+        i_row = tl.program_id(0).to(tl.int64)
+        o_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BI]
+        m = o_i < I
+        dt = y_ptr.dtype.element_ty
+
+        p_g = gu_ptr + i_row * stride_gu + o_i
+        b_g = tl.load(p_g, mask=m, other=0.0).to(tl.float32)
+        b_u = tl.load(p_g + I, mask=m, other=0.0).to(tl.float32)
+        # stock rounds silu(gate) to the model dtype before the product
+        b_s = _round_to(b_g / (1.0 + tl.exp(-b_g)), dt)
+        tl.store(y_ptr + i_row * I + o_i, _round_to(b_s * b_u, dt).to(dt), mask=m)
+
+
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a fused gate|up projection: `y = silu(g) * u` with `g, u = gu.chunk(2, -1)`.
+
+    Math: `y = g / (1 + exp(-g)) * u` (silu rounded to the dtype, then the product, as stock).
+
+    Args:
+        gu: [..., 2*I] float32 / bfloat16 / float16, the last-dim concatenation of stock `gate_proj(x)` and
+            `up_proj(x)`; last dim contiguous, any row stride (the leading dims must flatten to rows without a copy).
+
+    Returns:
+        y [..., I] contiguous, in gu.dtype.
+
+    Replaces `self.act_fn(self.gate_proj(x)) * self.up_proj(x)` in stock `Qwen3_5MLP.forward`
+    (`hidden_act="silu"`, the Qwen3.5 setting).
+    """
+    _check_triton("swiglu")
+    _check_float("gu", gu)
+    if gu.dim() < 1 or gu.shape[-1] < 2 or gu.shape[-1] % 2:
+        raise ValueError(f"gu must be [..., 2*I] with an even last dim >= 2, got {tuple(gu.shape)}.")
+    _check_last_dim_contiguous("gu", gu)
+    I = gu.shape[-1] // 2
+    gu_rows = _as_rows("gu", gu)
+    y = torch.empty(*gu.shape[:-1], I, dtype=gu.dtype, device=gu.device)
+    n_rows = gu_rows.shape[0]
+    if n_rows > 0 and I > 0:
+        BLOCK_I = min(triton.next_power_of_2(I), _SWIGLU_BLOCK)
+        with _device_guard(gu):
+            _swiglu_kernel[(n_rows, triton.cdiv(I, BLOCK_I))](
+                gu_rows, y, gu_rows.stride(0), I, BLOCK_I=BLOCK_I, num_warps=_num_warps(BLOCK_I)
+            )
+    return y
+
+
+def swiglu_ref(gu: torch.Tensor) -> torch.Tensor:
+    """Plain-torch `swiglu`, as stock `Qwen3_5MLP.forward` computes it before `down_proj`."""
+    g, u = gu.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
