@@ -1,0 +1,1074 @@
+"""Build a publishable Hugging Face repo: a Qwen3.5 checkpoint (optionally with a LoRA adapter merged in) plus this
+repo's fused remote code, verified before anything can be pushed.
+
+    python scripts/build_repo.py --base Qwen/Qwen3.5-9B --adapter org/my-lora --out out/my-model --repo-id org/my-model
+    python scripts/build_repo.py --base ./base --out out/plain --dtype bfloat16 --speed-table speed.md --force
+    python scripts/build_repo.py --verify out/my-model      # re-run the checks, rewrite verification.json
+
+What the output folder holds (a complete Hub repo):
+
+- the three code files of this repo, ``config.json`` with the STOCK ``model_type`` / ``architectures`` plus
+  ``auto_map`` and ``fused_kernels: true`` (so the repo loads fused with ``trust_remote_code=True`` and as a stock
+  Qwen3.5 checkpoint without it), ``generation_config.json``;
+- sharded safetensors in the stock key layout, written by the stock transformers class; base tensors the stock
+  class drops on load (the ``mtp.*`` head) are copied over, and tensors the base keeps in float32 stay float32;
+- the base's tokenizer, chat template and processor files, copied byte for byte;
+- ``README.md`` (model card with Hub front matter) and ``verification.json`` (see :func:`verify_repo`).
+
+The merge. The base is loaded in float32, the adapter applied with PEFT and merged (``merge_and_unload``) in
+float32, and the result cast ONCE to the target dtype. Merging in bf16 would round twice (the LoRA update ``s·B·A``
+to bf16, then ``W + update`` to bf16) and loses the low bits of small updates.
+
+Safety. The build happens in a hidden folder next to the output and is renamed into place only once complete and
+verified, so an interrupted or failed build leaves the output as it was (absent, or the old content with
+``--force``). A build that fails verification is kept at ``<out>.failed`` for inspection.
+
+Progress: PEFT's merge bar, transformers' "Writing model shards" bar and a hashing bar.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from scripts.common import import_repo  # noqa: E402
+from scripts.push_to_hub import (  # noqa: E402
+    CODE_FILES,
+    PROCESSOR_FILES,
+    TOKENIZER_FILES,
+    VERIFICATION_FILE,
+    hashed_files,
+    sha256_files,
+    fmt_err,
+    summary_line,
+)
+
+logger = logging.getLogger("build_repo")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+# Only what a checkpoint needs is downloaded for a Hub base (no duplicate *.bin / original/ weights).
+BASE_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "README.md"]
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+# ---- verification bounds (relative error ||a - b|| / ||b|| of the logits, compared in float64) ------------------
+# Merged (float32 target) vs base + adapter unmerged, both float32: W' = W + s·B·A is rounded once in fp32 while the
+# unmerged model computes x·W + s·(x·A)·B; the two differ only by fp32 rounding (about 1e-7 on the tiny test models).
+FP32_MERGE_BOUND = 1e-5
+# Merged (bf16 / fp16 target, upcast to fp32) vs unmerged fp32: storing the weights in the target dtype rounds each
+# one by up to half an ulp. The bound is measured per build, not fixed: the reference model's weights are perturbed
+# by a random relative error of the target dtype's unit roundoff (eps / 2, e.g. 2^-8 for bf16) and the change in its
+# logits is the "rounding estimate". Real rounding is at most that large per weight, and weights that are exact in
+# the target dtype (a bf16 base the adapter does not touch) are not rounded at all, so the estimate overstates the
+# expected error; the factor leaves room for the randomness of both. A merge that was not applied or applied twice
+# moves the logits by the whole adapter effect, which verification.json records next to the bound.
+ROUNDING_FACTOR = 2.0
+# Fused (trust_remote_code) vs stock class on the same weights, float32. On CPU the fused classes run the stock code,
+# so the logits are bit-identical (tests/test_hub_loading.py checks the same).
+FUSED_VS_STOCK_BOUND = {"cpu": 0.0}
+# On a GPU the fused kernels sum in another order and Triton's fp32 dots may run in TF32 (unit roundoff 2^-11, about
+# 5e-4 per product). NOT YET MEASURED here (CI is CPU-only): a first guess at a few TF32 roundoffs, to be replaced by a
+# measurement (out of `build_repo.py --verify FOLDER --device cuda`) before a GPU verification is relied on.
+FUSED_VS_STOCK_BOUND_CUDA = 2e-3
+GREEDY_TOKENS = 8
+VERIFY_BATCH, VERIFY_SEQ_LEN, VERIFY_SEED = 2, 16, 0
+# Random verification ids are drawn below this id: Qwen tokenizers put their special tokens above 151k.
+VERIFY_MAX_TOKEN_ID = 100_000
+
+
+class VerificationFailed(RuntimeError):
+    """The built folder did not pass :func:`verify_repo`; ``result`` holds the numbers."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What differs between a text-only and a composite (vision-language) Qwen3.5 checkpoint."""
+
+    name: str
+    model_type: str
+    stock_class: str
+    auto_class: str
+    fused_class: str
+    pipeline_tag: str
+    auto_map: dict
+
+
+LAYOUTS = {
+    "text": Layout(
+        name="text",
+        model_type="qwen3_5_text",
+        stock_class="Qwen3_5ForCausalLM",
+        auto_class="AutoModelForCausalLM",
+        fused_class="Qwen3_5FusedForCausalLM",
+        pipeline_tag="text-generation",
+        auto_map={
+            "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5FusedTextConfig",
+            "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedTextModel",
+            "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLM",
+        },
+    ),
+    "composite": Layout(
+        name="composite",
+        model_type="qwen3_5",
+        stock_class="Qwen3_5ForConditionalGeneration",
+        auto_class="AutoModelForImageTextToText",
+        fused_class="Qwen3_5FusedForConditionalGeneration",
+        pipeline_tag="image-text-to-text",
+        auto_map={
+            "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5FusedConfig",
+            "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedModel",
+            "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLMLoader",
+            "AutoModelForImageTextToText": "modeling_qwen3_5_fused.Qwen3_5FusedForConditionalGeneration",
+        },
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sources
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Source:
+    """A base or adapter: the local folder read, and the Hub id / commit it came from when known."""
+
+    path: str
+    hub_id: str | None = None
+    revision: str | None = None
+
+    def record(self) -> dict:
+        """What verification.json keeps: the Hub id and commit, or the folder (never a cache path)."""
+        if self.hub_id is None:
+            return {"path": self.path}
+        return {"hub_id": self.hub_id, "revision": self.revision}
+
+    def describe(self) -> str:
+        if self.hub_id is None:
+            return self.path
+        return f"{self.hub_id}@{self.revision}" if self.revision else self.hub_id
+
+
+_CACHE_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<sha>[0-9a-f]{40})/?$")
+
+
+def resolve_source(spec: str, revision: str | None = None, cache_dir: str | None = None,
+                   allow_patterns: list[str] | None = None) -> Source:
+    """A local folder as it is, else a Hub id through ``snapshot_download`` (honours HF_HUB_OFFLINE and the cache)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        match = _CACHE_SNAPSHOT.search(path.resolve().as_posix())
+        if match:  # a folder inside an HF cache still knows its id and commit
+            return Source(str(path), f"{match['org']}/{match['name']}", match["sha"])
+        return Source(str(path))
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise FileNotFoundError(f"{spec!r} is neither a folder nor a Hub repo id")
+    from huggingface_hub import snapshot_download
+
+    local = snapshot_download(spec, revision=revision, cache_dir=cache_dir, allow_patterns=allow_patterns)
+    return Source(local, spec, Path(local).name)
+
+
+def read_config(folder) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json")
+    return json.loads(path.read_text())
+
+
+def detect_layout(config: dict) -> Layout:
+    """Text-only (``qwen3_5_text`` / ``Qwen3_5ForCausalLM``) or composite (``qwen3_5`` with a vision tower)."""
+    model_type = config.get("model_type")
+    architectures = config.get("architectures") or []
+    if model_type == "qwen3_5" or (model_type is None and "Qwen3_5ForConditionalGeneration" in architectures):
+        if "vision_config" not in config:
+            raise ValueError("composite Qwen3.5 config (model_type 'qwen3_5') without a vision_config")
+        return LAYOUTS["composite"]
+    if model_type == "qwen3_5_text" or (model_type is None and "Qwen3_5ForCausalLM" in architectures):
+        return LAYOUTS["text"]
+    raise ValueError(f"not a Qwen3.5 checkpoint: model_type={model_type!r}, architectures={architectures!r}")
+
+
+def _safetensors_files(folder) -> list[Path]:
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+
+
+def checkpoint_shapes(folder) -> dict[str, tuple[str, list[int]]]:
+    """``{key: (dtype, shape)}`` of every tensor in a safetensors checkpoint, read from the headers only."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in _safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                out[key] = (piece.get_dtype(), list(piece.get_shape()))
+    return out
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def base_dtype(folder, config: dict) -> torch.dtype:
+    """The dtype the base is stored in: config ``dtype`` / ``torch_dtype``, else the most common one on disk."""
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if cfg.get(key) in DTYPES:
+                return DTYPES[cfg[key]]
+    dtype = _stored_dtype(checkpoint_shapes(folder))
+    if dtype is None:
+        raise ValueError(f"cannot tell the dtype of {folder}; pass --dtype")
+    return dtype
+
+
+def _stored_dtype(shapes: dict) -> torch.dtype | None:
+    """The floating dtype most tensors of a checkpoint are stored in (a few may be kept in float32)."""
+    counts: dict[str, int] = {}
+    for dtype, _ in shapes.values():
+        if dtype in _SAFETENSORS_DTYPES:
+            counts[dtype] = counts.get(dtype, 0) + 1
+    return _SAFETENSORS_DTYPES[max(counts, key=counts.get)] if counts else None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Merge
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _stock_class(layout: Layout):
+    import transformers
+
+    return getattr(transformers, layout.stock_class)
+
+
+def load_base(base_dir, layout: Layout, device: str = "cpu"):
+    """The base as its stock transformers class, in float32."""
+    return _stock_class(layout).from_pretrained(base_dir, dtype=torch.float32).to(device).eval()
+
+
+# Text-only adapters (trained on Qwen3_5ForCausalLM, as AutoModelForCausalLM gives for every Qwen3.5 repo) name the
+# text backbone `model.*`; composite models name it `model.language_model.*`.
+_PEFT_TEXT = "base_model.model.model."
+_PEFT_COMPOSITE_TEXT = "base_model.model.model.language_model."
+
+
+def _remap_adapter_keys(keys, expected: set[str]) -> dict[str, str] | None:
+    """A renaming of ``keys`` onto ``expected`` across the text-only / composite prefixes, or None when none fits."""
+    for src, dst in ((_PEFT_TEXT, _PEFT_COMPOSITE_TEXT), (_PEFT_COMPOSITE_TEXT, _PEFT_TEXT)):
+        mapping = {}
+        for key in keys:
+            if key.startswith(src) and not (src == _PEFT_TEXT and key.startswith(_PEFT_COMPOSITE_TEXT)):
+                mapping[key] = dst + key[len(src):]
+            else:
+                mapping[key] = key
+        if set(mapping.values()) == expected:
+            return mapping
+    return None
+
+
+def load_adapter(model, adapter_dir):
+    """``PeftModel.from_pretrained`` on ``model`` (float32 LoRA weights), checked to have loaded every adapter tensor.
+
+    An adapter trained on the other layout (text-only vs composite) is renamed onto this one; anything else that does
+    not match raises ``ValueError`` instead of merging a partly-loaded adapter.
+    """
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = Path(adapter_dir) / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{adapter_dir} has no adapter_model.safetensors (PEFT adapters in .bin are not read)")
+    # PEFT warns about every adapter key it could not place; held back until a renaming below has been tried.
+    with warnings.catch_warnings(record=True) as held:
+        warnings.simplefilter("always")
+        peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
+    expected = set(get_peft_model_state_dict(peft_model).keys())
+    stored = load_file(str(weights))
+    mapping = _remap_adapter_keys(stored, expected) if set(stored) != expected else None
+    if mapping is None:  # PEFT's warnings stand (there are none when every key found its module)
+        for w in held:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if set(stored) != expected and mapping is None:
+        missing, unexpected = sorted(expected - set(stored)), sorted(set(stored) - expected)
+        raise ValueError(
+            f"adapter {adapter_dir} does not match the base: {len(missing)} adapter tensors the model expects are "
+            f"absent (e.g. {missing[:3]}), {len(unexpected)} stored ones fit no module (e.g. {unexpected[:3]})"
+        )
+    if mapping is not None:
+        logger.warning("adapter keys renamed between the text-only and composite layouts (model.* <-> "
+                       "model.language_model.*)")
+        result = set_peft_model_state_dict(peft_model, {mapping[k]: v.float() for k, v in stored.items()})
+        if result.unexpected_keys:
+            raise ValueError(f"renamed adapter keys fit no module: {result.unexpected_keys[:3]}")
+    for name, param in peft_model.named_parameters():
+        if "lora_" in name and param.dtype != torch.float32:
+            raise AssertionError(f"{name} is {param.dtype}; the merge must run in float32")
+    return peft_model.eval()
+
+
+def cast_once(model, dtype: torch.dtype, base_dir) -> list[str]:
+    """Cast the merged float32 ``model`` to ``dtype`` in one step. Parameters the base stores in float32 while most of
+    it is 16-bit (a full-precision ``A_log``, say) stay float32, as the base has them; returns their names."""
+    base_dtypes = {k: d for k, (d, _) in checkpoint_shapes(base_dir).items()}
+    keep = {}
+    if dtype != torch.float32:
+        keep = {name: p.detach().clone() for name, p in model.named_parameters() if base_dtypes.get(name) == "F32"}
+    model.to(dtype)
+    for name, p in model.named_parameters():
+        if name in keep:
+            p.data = keep[name]
+    return sorted(keep)
+
+
+def merge(base_dir, adapter_dir, layout: Layout):
+    """The stock model holding base (+ adapter merged), all in float32."""
+    model = load_base(base_dir, layout)
+    if adapter_dir is None:
+        return model
+    peft_model = load_adapter(model, adapter_dir)
+    return peft_model.merge_and_unload(progressbar=True, safe_merge=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Writing the folder
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _ignored_base_tensors(model, base_dir, saved: dict) -> list[str]:
+    """Base tensors the stock class drops on load by design (``_keys_to_ignore_on_load_unexpected``: the ``mtp.*``
+    multi-token-prediction head of real Qwen3.5 checkpoints) and that the save therefore left out."""
+    patterns = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    return sorted(k for k in checkpoint_shapes(base_dir) if k not in saved and any(p.search(k) for p in patterns))
+
+
+def _carry_ignored_tensors(model, base_dir, folder: Path, dtype: torch.dtype) -> list[str]:
+    """Copy the tensors of :func:`_ignored_base_tensors` (cast to ``dtype``) into the checkpoint, so that the repo keeps
+    everything the base had (vLLM / SGLang read the MTP head; transformers ignores it, as for the base)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    keys = _ignored_base_tensors(model, base_dir, checkpoint_shapes(folder))
+    if not keys:
+        return []
+    tensors = {}
+    for path in _safetensors_files(base_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in set(f.keys()) & set(keys):
+                t = f.get_tensor(key)
+                tensors[key] = t.to(dtype) if t.is_floating_point() else t
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+    else:  # one file so far: from now on an index names both
+        index = {"metadata": {"total_size": (folder / "model.safetensors").stat().st_size},
+                 "weight_map": {k: "model.safetensors" for k in checkpoint_shapes(folder)}}
+    extra = "model-extra.safetensors"
+    save_file(tensors, str(folder / extra), metadata={"format": "pt"})
+    index["weight_map"].update({k: extra for k in tensors})
+    index["weight_map"] = dict(sorted(index["weight_map"].items()))
+    metadata = index.setdefault("metadata", {})
+    metadata["total_size"] = metadata.get("total_size", 0) + sum(t.numel() * t.element_size() for t in tensors.values())
+    if (folder / "model.safetensors").is_file():  # transformers prefers model.safetensors over an index: rename it
+        (folder / "model.safetensors").rename(folder / "model-main.safetensors")
+        index["weight_map"] = {k: ("model-main.safetensors" if v == "model.safetensors" else v)
+                               for k, v in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    return keys
+
+
+def save_weights(model, folder: Path, max_shard_size: str) -> None:
+    """Stock ``save_pretrained``: stock key layout, sharded safetensors, config.json, generation_config.json."""
+    model.save_pretrained(str(folder), max_shard_size=max_shard_size, safe_serialization=True)
+
+
+def write_config(folder: Path, layout: Layout) -> dict:
+    """Add ``auto_map`` and the fused switches to the config the stock class wrote (model_type and architectures
+    stay stock, so the repo still loads without remote code)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config["auto_map"] = dict(layout.auto_map)
+    config["fused_kernels"] = True
+    config["cuda_graphs"] = True
+    if "text_config" in config:
+        config["text_config"]["fused_kernels"] = True
+        config["text_config"]["cuda_graphs"] = True
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return config
+
+
+def copy_code(folder: Path) -> None:
+    for name in CODE_FILES:
+        shutil.copy2(REPO / name, folder / name)
+
+
+def copy_tokenizer(base_dir, folder: Path) -> list[str]:
+    """Copy the base's tokenizer, chat template and processor files unchanged; warn when there is no chat template."""
+    base_dir = Path(base_dir)
+    copied = []
+    for name in TOKENIZER_FILES + PROCESSOR_FILES:
+        if (base_dir / name).is_file():
+            shutil.copy2(base_dir / name, folder / name)
+            copied.append(name)
+    if "tokenizer.json" not in copied and "tokenizer.model" not in copied and "vocab.json" not in copied:
+        logger.warning("the base %s has no tokenizer files; the repo will have none", base_dir)
+    tokenizer_config = json.loads((base_dir / "tokenizer_config.json").read_text()) if (
+        base_dir / "tokenizer_config.json").is_file() else {}
+    if not any(n in copied for n in CHAT_TEMPLATE_FILES) and not tokenizer_config.get("chat_template"):
+        logger.warning("the base %s has no chat template; apply_chat_template will not work with the repo", base_dir)
+    return copied
+
+
+def copy_generation_config(base_dir, folder: Path) -> None:
+    """Keep the base's generation_config.json as it is (sampling defaults); the stock save wrote one otherwise."""
+    src = Path(base_dir) / "generation_config.json"
+    if src.is_file():
+        shutil.copy2(src, folder / "generation_config.json")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Verification
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a64 - b64).norm() / b64.norm().clamp_min(1e-300)).item()
+
+
+@contextlib.contextmanager
+def _stock_runs_on(device: str):
+    """Stock Qwen3.5 calls fla's Triton kernels whenever fla is installed, which fail on CPU tensors: on CPU run its
+    plain-torch functions instead (the fused classes' own fallback does the same)."""
+    if device == "cpu":
+        _, modeling, _ = import_repo()
+        with modeling._torch_reference_kernels():
+            yield
+    else:
+        yield
+
+
+def verification_inputs(config: dict, layout: Layout) -> dict:
+    """Fixed inputs: ``input_ids`` [B, T] of random ordinary tokens; composite layouts add one small image per row
+    (``pixel_values`` [B * patches, C * T_p * P * P], ``image_grid_thw`` [B, 3], ``mm_token_type_ids`` [B, T] with 1 at
+    image tokens, as the processor returns it) so the vision tower is checked too."""
+    text = config.get("text_config", config)
+    specials = {config.get(k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                         "vision_end_token_id")}
+    allowed = torch.tensor([i for i in range(min(text["vocab_size"], VERIFY_MAX_TOKEN_ID)) if i not in specials])
+    g = torch.Generator().manual_seed(VERIFY_SEED)
+    ids = allowed[torch.randint(len(allowed), (VERIFY_BATCH, VERIFY_SEQ_LEN), generator=g)]
+    inputs = {"input_ids": ids}
+    if layout.name == "composite":
+        vision = config["vision_config"]
+        merge = vision.get("spatial_merge_size", 2)
+        grid = (1, 2 * merge, 2 * merge)  # one frame of (2·merge)^2 patches -> 4 image tokens
+        image_tokens = grid[1] * grid[2] // merge**2
+        half = VERIFY_SEQ_LEN // 2
+        row = lambda r: torch.cat([ids[r, :half], torch.tensor([config["vision_start_token_id"]]),
+                                   torch.full((image_tokens,), config["image_token_id"]),
+                                   torch.tensor([config["vision_end_token_id"]]), ids[r, half:]])
+        patch_dim = vision.get("in_channels", 3) * vision.get("temporal_patch_size", 2) * vision["patch_size"] ** 2
+        inputs = {
+            "input_ids": torch.stack([row(r) for r in range(VERIFY_BATCH)]),
+            "pixel_values": torch.randn(VERIFY_BATCH * grid[0] * grid[1] * grid[2], patch_dim, generator=g),
+            "image_grid_thw": torch.tensor([grid] * VERIFY_BATCH),
+        }
+        inputs["mm_token_type_ids"] = (inputs["input_ids"] == config["image_token_id"]).long()
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    return inputs
+
+
+def _logits(model, inputs: dict, device: str) -> torch.Tensor:
+    with torch.no_grad(), _stock_runs_on(device):
+        return model(**{k: v.to(device) for k, v in inputs.items()}).logits.float().cpu()
+
+
+def _greedy(model, prompt: torch.Tensor, device: str) -> list[int]:
+    from transformers import GenerationConfig
+
+    text = model.config.get_text_config()
+    config = GenerationConfig(do_sample=False, max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS,
+                              eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id)
+    with torch.no_grad(), _stock_runs_on(device):
+        out = model.generate(input_ids=prompt.to(device), attention_mask=torch.ones_like(prompt).to(device),
+                             generation_config=config)
+    return out[0, prompt.shape[1]:].tolist()
+
+
+def _loading_check(model, info: dict, expected_class: str, remote: bool) -> dict:
+    cls = type(model)
+    result = {
+        "class": cls.__name__,
+        "module": cls.__module__,
+        "missing": sorted(info.get("missing_keys", [])),
+        "unexpected": sorted(info.get("unexpected_keys", [])),
+        "mismatched": [str(m) for m in info.get("mismatched_keys", [])],
+    }
+    from_transformers = cls.__module__.startswith("transformers.models.")
+    result["passed"] = (cls.__name__ == expected_class and from_transformers != remote
+                        and not result["missing"] and not result["unexpected"] and not result["mismatched"])
+    return result
+
+
+
+@contextlib.contextmanager
+def _hub_view(folder: Path):
+    """Show ``folder`` to transformers as a downloaded Hub repo: a throwaway cache holding one snapshot of symbolic
+    links to its files. ``from_pretrained(repo_id, cache_dir=..., trust_remote_code=True)`` then resolves the remote
+    code exactly as after a download by repo id, the way the model card tells users to load it. (From a plain local
+    folder transformers hashes each code file on its own and imports the configuration module twice, as two class
+    objects; a composite model then fails to build its text backbone through ``AutoModel``.)
+
+    Offline mode is forced meanwhile: transformers' adapter lookup ignores ``local_files_only`` and would ask the Hub
+    about the made-up repo id."""
+    import huggingface_hub.constants as hub_constants
+
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", folder.name) or "repo"
+    with tempfile.TemporaryDirectory(prefix="verify-hub-") as cache:
+        digest = hashlib.sha1()
+        for entry in sorted(folder.iterdir()):
+            if entry.is_file():
+                stat = entry.stat()
+                digest.update(f"{entry.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        repo = Path(cache) / f"models--verify--{name}"
+        snapshot = repo / "snapshots" / digest.hexdigest()
+        snapshot.mkdir(parents=True)
+        for entry in folder.iterdir():
+            if entry.is_file():
+                (snapshot / entry.name).symlink_to(entry.resolve())
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(digest.hexdigest())
+        offline = hub_constants.HF_HUB_OFFLINE
+        hub_constants.HF_HUB_OFFLINE = True
+        try:
+            yield f"verify/{name}", cache
+        finally:
+            hub_constants.HF_HUB_OFFLINE = offline
+
+
+def _load_and_run(load, expected_class: str, remote: bool, inputs: dict, prompt: torch.Tensor, device: str):
+    """Load one model, check its loading report, run the logits and greedy inputs, free it. A model that does not load
+    is a failed check (with the error), not a crash, so the result still gets written."""
+    try:
+        model, info = load()
+    except Exception as exc:
+        return {"passed": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}, None, None
+    model.to(device).eval()
+    check = _loading_check(model, info, expected_class, remote)
+    logits, tokens = _logits(model, inputs, device), _greedy(model, prompt, device)
+    if hasattr(model, "describe"):  # the fused classes: what ran fused on this device, what fell back and why
+        check["paths"] = {kind: v["path"] + (f" ({v['reason']})" if v["reason"] else "")
+                          for kind, v in model.describe()["layers"].items()}
+    del model
+    gc.collect()
+    return check, logits, tokens
+
+
+def _perturb_like_rounding(model, dtype: torch.dtype, seed: int = VERIFY_SEED) -> None:
+    """Multiply every non-LoRA floating parameter by (1 + d), d uniform in ±(unit roundoff of ``dtype``)."""
+    unit = torch.finfo(dtype).eps / 2
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name or not p.is_floating_point():
+                continue
+            noise = (torch.rand(p.shape, generator=g, dtype=torch.float64) * 2 - 1) * unit
+            p.mul_((1 + noise).to(p.dtype).to(p.device))
+
+
+def _file_checks(folder: Path, layout: Layout, base_dir) -> dict:
+    config = read_config(folder)
+    config_ok = (
+        config.get("model_type") == layout.model_type
+        and config.get("architectures") == [layout.stock_class]
+        and config.get("auto_map") == layout.auto_map
+        and config.get("fused_kernels") is True
+        and all(n in os.listdir(folder) for n in CODE_FILES)
+    )
+    out_shapes = checkpoint_shapes(folder)
+    result = {"config": {"passed": bool(config_ok), "model_type": config.get("model_type"),
+                         "architectures": config.get("architectures"), "auto_map": config.get("auto_map")}}
+    if base_dir is not None:
+        base_shapes = checkpoint_shapes(base_dir)
+        result["keys_vs_base"] = {
+            # dtypes differ on purpose when --dtype differs from the base; names and shapes must not
+            "passed": {k: s for k, (_, s) in out_shapes.items()} == {k: s for k, (_, s) in base_shapes.items()},
+            "missing": sorted(set(base_shapes) - set(out_shapes)),
+            "added": sorted(set(out_shapes) - set(base_shapes)),
+            "shape_changed": sorted(k for k in set(base_shapes) & set(out_shapes)
+                                    if base_shapes[k][1] != out_shapes[k][1]),
+            "tensors": len(out_shapes),
+        }
+    return result
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "transformers", "peft", "huggingface_hub", "safetensors", "tokenizers", "triton",
+                 "flash-linear-attention"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def code_revision() -> dict:
+    """The git commit of this repo's code files and whether they differ from it (best effort)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *CODE_FILES], cwd=REPO, capture_output=True,
+                               text=True, check=True)
+        return {"commit": head.stdout.strip(), "code_files_modified": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "code_files_modified": None}
+
+
+def verify_repo(folder, base: Source | str | None = None, adapter: Source | str | None = None, *,
+                device: str = "cpu", write: bool = True) -> dict:
+    """Check a built folder before it may be published; write the result to ``verification.json`` (when ``write``).
+
+    1. files: ``config.json`` keeps the stock model_type / architectures and names the fused classes; tensor names and
+       shapes equal the base checkpoint's;
+    2. loading: the fused class through ``trust_remote_code=True`` and the stock class, both without missing,
+       unexpected or mismatched keys;
+    3. logits, float32: fused vs stock on the same weights (``FUSED_VS_STOCK_BOUND``) and the folder vs base +
+       adapter UNMERGED (PEFT, float32): ``FP32_MERGE_BOUND`` for a float32 folder, the measured rounding bound (see
+       ``ROUNDING_FACTOR``) for bf16 / fp16;
+    4. greedy generation of ``GREEDY_TOKENS`` tokens: fused equals stock.
+
+    Without ``base``, base and adapter are the sources recorded in the folder's verification.json; with ``base``,
+    ``adapter=None`` means none. Models are loaded one at a
+    time, so memory peaks at one float32 model.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    folder = Path(folder)
+    if base is None:  # both sources as recorded by the last verification
+        previous = json.loads((folder / VERIFICATION_FILE).read_text()) if (folder / VERIFICATION_FILE).is_file() else {}
+        recorded = previous.get("sources") or {}
+        if not recorded.get("base"):
+            raise ValueError(f"verify_repo needs the base {folder} was built from (base=...)")
+        base = _as_source(recorded["base"], allow_patterns=BASE_DOWNLOAD_PATTERNS)
+        adapter = _as_source(recorded.get("adapter")) if adapter is None else _as_source(adapter)
+    else:
+        base, adapter = _as_source(base, allow_patterns=BASE_DOWNLOAD_PATTERNS), _as_source(adapter)
+    config = read_config(folder)
+    layout = detect_layout(config)
+    target = _stored_dtype(checkpoint_shapes(folder))
+    inputs = verification_inputs(config, layout)
+    prompt = inputs["input_ids"][:1, : VERIFY_SEQ_LEN // 2]
+    checks = _file_checks(folder, layout, base.path)
+
+    auto = AutoModelForCausalLM if layout.name == "text" else AutoModelForImageTextToText
+    with _hub_view(folder) as (repo_id, cache_dir):
+        checks["fused_load"], fused_logits, fused_tokens = _load_and_run(
+            lambda: auto.from_pretrained(repo_id, cache_dir=cache_dir, local_files_only=True, trust_remote_code=True,
+                                         dtype=torch.float32, output_loading_info=True),
+            layout.fused_class, True, inputs, prompt, device)
+    checks["stock_load"], stock_logits, stock_tokens = _load_and_run(
+        lambda: _stock_class(layout).from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True),
+        layout.stock_class, False, inputs, prompt, device)
+
+    bound = FUSED_VS_STOCK_BOUND.get(device, FUSED_VS_STOCK_BOUND_CUDA)
+    loaded = fused_logits is not None and stock_logits is not None
+    err = rel_err(fused_logits, stock_logits) if loaded else None
+    checks["fused_vs_stock"] = {"passed": loaded and err <= bound, "rel_err": err, "bound": bound}
+    checks["greedy"] = {"passed": loaded and fused_tokens == stock_tokens, "new_tokens": GREEDY_TOKENS,
+                        "fused": fused_tokens, "stock": stock_tokens}
+
+    reference = load_base(base.path, layout, device)
+    if adapter is not None:
+        reference = load_adapter(reference, adapter.path)
+    ref_logits = _logits(reference, inputs, device)
+    vs_ref = {"reference": "base + adapter, unmerged (PEFT), float32" if adapter else "base, float32"}
+    if adapter is not None:
+        with reference.disable_adapter():
+            vs_ref["adapter_effect"] = rel_err(_logits(reference, inputs, device), ref_logits)
+    if target == torch.float32:
+        ref_bound = FP32_MERGE_BOUND
+    else:
+        _perturb_like_rounding(reference, target)
+        vs_ref["rounding_estimate"] = rel_err(_logits(reference, inputs, device), ref_logits)
+        ref_bound = FP32_MERGE_BOUND + ROUNDING_FACTOR * vs_ref["rounding_estimate"]
+    del reference
+    gc.collect()
+    err = rel_err(stock_logits, ref_logits) if stock_logits is not None else None
+    vs_ref.update(passed=err is not None and err <= ref_bound, rel_err=err, bound=ref_bound)
+    if adapter is not None and vs_ref["adapter_effect"] <= ref_bound:
+        vs_ref["note"] = "the adapter moves the logits less than the bound: this check cannot tell merged from unmerged"
+    checks["vs_reference"] = vs_ref
+
+    required = ("config", "fused_load", "stock_load", "fused_vs_stock", "greedy", "vs_reference")
+    result = {
+        "passed": all(checks[name]["passed"] for name in required),
+        "failed": [name for name in required if not checks[name]["passed"]],
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "layout": layout.name,
+        "dtype": dtype_name(target),
+        "device": device,
+        "sources": {"base": base.record(), "adapter": adapter.record() if adapter else None},
+        "inputs": {"batch": VERIFY_BATCH, "seq_len": int(inputs["input_ids"].shape[1]), "seed": VERIFY_SEED,
+                   "image": "pixel_values" in inputs},
+        "checks": checks,
+        "versions": versions(),
+        "code": code_revision(),
+        "files": sha256_files(folder, hashed_files(folder)),
+    }
+    if not checks.get("keys_vs_base", {"passed": True})["passed"]:
+        logger.warning("tensor names / shapes differ from the base: %s", checks["keys_vs_base"])
+    if write:
+        (folder / VERIFICATION_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _as_source(value, allow_patterns=None) -> Source | None:
+    """A Source from a Source, a folder / Hub id, or a recorded ``Source`` dict (re-resolved when its folder is gone)."""
+    if value is None or isinstance(value, Source):
+        return value
+    if isinstance(value, dict):
+        if value.get("hub_id"):
+            return resolve_source(value["hub_id"], revision=value.get("revision"), allow_patterns=allow_patterns)
+        return Source(value["path"])
+    return resolve_source(str(value), allow_patterns=allow_patterns)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Model card
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _requirement_specs() -> dict[str, str]:
+    """``{name: 'name>=x,<y'}`` from this repo's requirements.txt, so the card states the tested ranges."""
+    specs = {}
+    path = REPO / "requirements.txt"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            line = line.split("#", 1)[0].split(";", 1)[0].strip()
+            if line:
+                specs[re.split(r"[<>=!~ ]", line, 1)[0].lower().replace("_", "-")] = line
+    return specs
+
+
+def _base_license(base_dir, config: dict) -> dict:
+    """``license`` (and ``license_name`` / ``license_link`` for 'other') from the base's README front matter."""
+    from huggingface_hub import metadata_load
+
+    readme = Path(base_dir) / "README.md"
+    meta = (metadata_load(readme) or {}) if readme.is_file() else {}
+    out = {k: meta[k] for k in ("license", "license_name", "license_link") if meta.get(k)}
+    if "license" not in out and config.get("license"):
+        out["license"] = config["license"]
+    return out
+
+
+def _adapter_summary(adapter: Source | None) -> dict | None:
+    if adapter is None:
+        return None
+    cfg = json.loads((Path(adapter.path) / "adapter_config.json").read_text())
+    targets = cfg.get("target_modules")
+    return {"peft_type": cfg.get("peft_type"), "r": cfg.get("r"), "lora_alpha": cfg.get("lora_alpha"),
+            "target_modules": sorted(targets) if isinstance(targets, list) else targets,
+            "use_dora": cfg.get("use_dora", False), "use_rslora": cfg.get("use_rslora", False)}
+
+
+def _card_source(source: Source, hub_id: str | None) -> str:
+    """A source as the card names it: id@commit from the Hub, else the id given for it (a local path stays private)."""
+    if source.hub_id:
+        return source.describe()
+    return f"{hub_id} (local copy)" if hub_id else "a local folder"
+
+
+def render_model_card(*, repo_id: str, layout: Layout, base: Source, adapter: Source | None, base_id: str | None,
+                      adapter_id: str | None, dtype: torch.dtype, license_meta: dict, verification: dict,
+                      has_processor: bool = False, speed_table: str | None = None,
+                      quality_table: str | None = None, chart: str | None = None) -> str:
+    """README.md: Hub front matter, usage with and without remote code, packages, how it was made, measurements."""
+    from huggingface_hub import ModelCardData
+
+    tags = ["custom_code", "qwen3_5", "fused-kernels"] + (["lora-merged"] if adapter else [])
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag=layout.pipeline_tag,
+        base_model=base_id,
+        base_model_relation="finetune" if (adapter and base_id) else None,
+        tags=tags,
+        **license_meta,
+    )
+    specs = _requirement_specs()
+    spec = lambda name: specs.get(name, name)
+    dt = dtype_name(dtype)
+    name = repo_id.split("/")[-1]
+    adapter_info = _adapter_summary(adapter)
+    what = f"[{base_id}](https://huggingface.co/{base_id})" if base_id else "a Qwen3.5 checkpoint"
+    if adapter:
+        a_link = f"[{adapter_id}](https://huggingface.co/{adapter_id})" if adapter_id else "a local adapter"
+        what += f" with the LoRA adapter {a_link} merged in"
+    auto, load_cls = layout.auto_class, ("AutoProcessor" if has_processor else "AutoTokenizer")
+    checks = verification["checks"]
+    ref = checks["vs_reference"]
+    lines = [
+        "---", data.to_yaml().strip(), "---", "",
+        f"# {name}", "",
+        f"{what}, stored in {dt} as a stock Qwen3.5 checkpoint (`{layout.stock_class}`, model_type "
+        f"`{layout.model_type}`), packaged with fused inference kernels as remote code. With "
+        "`trust_remote_code=True` the fused classes run (packed projections, fused RMSNorm / SwiGLU / attention prep, "
+        "flash-linear-attention for the Gated DeltaNet layers) on a CUDA GPU with triton and flash-linear-attention "
+        "installed; anywhere else they run the stock transformers code and say so once. Without "
+        "`trust_remote_code` the repo loads as a plain stock Qwen3.5 model.", "",
+        "## Usage", "",
+        "Pin a revision: `trust_remote_code=True` runs this repo's Python files, and a commit hash makes sure the code "
+        "you reviewed is the code you run (see the repo's *Files and versions* history, or "
+        "`huggingface_hub.HfApi().model_info(repo).sha`).", "",
+        "With the fused kernels:", "",
+        "```python",
+        "import torch",
+        f"from transformers import {auto}, {load_cls}", "",
+        f'repo, revision = "{repo_id}", "<commit sha>"',
+        f"{'processor' if has_processor else 'tokenizer'} = {load_cls}.from_pretrained(repo, "
+        "revision=revision)",
+        f"model = {auto}.from_pretrained(repo, revision=revision, trust_remote_code=True, dtype=torch.{dt}, "
+        'device_map="cuda")',
+        "print(model.describe())  # what runs fused, what falls back and why",
+        "```", "",
+        "Without remote code (stock transformers, same weights):", "",
+        "```python",
+        f"model = {auto}.from_pretrained(repo, revision=revision, dtype=torch.{dt})",
+        "```", "",
+        "The fused path can be switched off at load time (`fused_kernels=False`) or with the environment variable "
+        "`QWEN3_5_FUSED_KERNELS=0`.",
+    ]
+    if layout.name == "composite":
+        lines += ["", "For text only, `AutoModelForCausalLM.from_pretrained(repo, revision=revision, "
+                  "trust_remote_code=True)` loads the text backbone and LM head (the vision tower is skipped)."]
+    lines += [
+        "", "## Packages", "",
+        "Required: " + ", ".join(f"`{spec(n)}`" for n in ("torch", "transformers", "safetensors", "tokenizers",
+                                                           "huggingface-hub")) + ".", "",
+        "Optional: " + f"`{spec('triton')}` and `{spec('flash-linear-attention')}` (the fused GPU path; without them "
+        f"the stock code runs), `{spec('accelerate')}` (for `device_map`).", "",
+        "## How this checkpoint was made", "",
+        f"- base: `{_card_source(base, base_id)}`",
+    ]
+    if adapter:
+        kind = {"LORA": "LoRA"}.get(adapter_info["peft_type"], adapter_info["peft_type"])
+        lines += [f"- adapter: `{_card_source(adapter, adapter_id)}` ({kind}, r={adapter_info['r']}, "
+                  f"alpha={adapter_info['lora_alpha']}, target modules {adapter_info['target_modules']}"
+                  + (", DoRA" if adapter_info["use_dora"] else "") + (", rsLoRA" if adapter_info["use_rslora"] else "")
+                  + ")",
+                  "- merge: base loaded in float32, adapter applied with PEFT and merged (`merge_and_unload`) in "
+                  f"float32, then cast once to {dt} (merging in a 16-bit dtype would round the update and then the "
+                  "sum)"]
+    else:
+        lines += [f"- no adapter: the base weights, loaded in float32 and cast once to {dt}"]
+    v = verification["versions"]
+    lines += [
+        f"- written by the stock `{layout.stock_class}.save_pretrained` (stock tensor names and shapes)",
+        "- versions: " + ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "peft", "safetensors",
+                                                            "huggingface_hub") if v.get(k)),
+        "", "## Verification", "",
+        f"Before upload (`verification.json`, {verification['timestamp']}, {verification['device']}):", "",
+        "| check | result |", "| --- | --- |",
+        f"| loads with `trust_remote_code` as `{checks['fused_load'].get('class')}` | "
+        f"{'no missing / unexpected keys' if checks['fused_load']['passed'] else 'FAILED'} |",
+        f"| loads as stock `{checks['stock_load'].get('class')}` | "
+        f"{'no missing / unexpected keys' if checks['stock_load']['passed'] else 'FAILED'} |",
+        f"| logits vs {ref['reference']} | rel. error {fmt_err(ref['rel_err'])} "
+        f"(bound {fmt_err(ref['bound'])}) |",
+        f"| logits, fused vs stock (float32) | rel. error {fmt_err(checks['fused_vs_stock']['rel_err'])} |",
+        f"| greedy decoding, {checks['greedy']['new_tokens']} tokens | fused == stock: "
+        f"{'yes' if checks['greedy']['passed'] else 'no'} |",
+    ]
+    if "adapter_effect" in ref:
+        lines += ["", f"For scale: the adapter itself moves the logits by {fmt_err(ref['adapter_effect'])} (rel. error of "
+                  "base vs base + adapter)."]
+    for title, table in (("Speed", speed_table), ("Quality", quality_table)):
+        if table:
+            lines += ["", f"## {title}", "", table.strip()]
+    if chart:
+        lines += ["", f"![speed chart]({chart})"]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Build
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _is_nonempty_dir(path: Path) -> bool:
+    return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
+
+def build_repo(base: str, out, adapter: str | None = None, *, dtype: str | None = None, force: bool = False,
+               max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, repo_id: str | None = None, base_id: str | None = None,
+               adapter_id: str | None = None, base_revision: str | None = None, adapter_revision: str | None = None,
+               cache_dir: str | None = None, speed_table: str | None = None, quality_table: str | None = None,
+               chart: str | None = None, device: str = "cpu") -> dict:
+    """Build, verify and atomically publish the repo folder ``out``; returns the verification result.
+
+    Raises ``FileExistsError`` when ``out`` is non-empty and ``force`` is not set, ``VerificationFailed`` when the
+    checks fail (the build is then kept at ``<out>.failed``, ``out`` untouched).
+    """
+    out = Path(out).absolute()
+    if _is_nonempty_dir(out) and not force:
+        raise FileExistsError(f"{out} is not empty; pass --force to replace it")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    tables = {}
+    for key, path in (("speed_table", speed_table), ("quality_table", quality_table)):
+        tables[key] = Path(path).read_text() if path else None
+    if chart is not None and not str(chart).lower().endswith(".png"):
+        raise ValueError(f"--chart must be a .png file, got {chart}")
+
+    base_src = resolve_source(base, base_revision, cache_dir, allow_patterns=BASE_DOWNLOAD_PATTERNS)
+    adapter_src = resolve_source(adapter, adapter_revision, cache_dir) if adapter else None
+    base_config = read_config(base_src.path)
+    layout = detect_layout(base_config)
+    target = DTYPES[dtype] if dtype else base_dtype(base_src.path, base_config)
+    base_id = base_id or base_src.hub_id
+    adapter_id = adapter_id or (adapter_src.hub_id if adapter_src else None)
+    if base_id is None:
+        logger.warning("the base is a local folder: pass --base-id so the card's base_model names it on the Hub")
+    repo_id = repo_id or f"your-org/{out.name}"
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
+    # The folder keeps the output's name, so the remote-code module transformers caches for it is named alike.
+    folder = work / out.name
+    folder.mkdir()
+    try:
+        model = merge(base_src.path, adapter_src.path if adapter_src else None, layout)
+        kept = cast_once(model, target, base_src.path)
+        if kept:
+            logger.warning("kept %d tensors in float32 as the base stores them (%s, ...)", len(kept), kept[0])
+        save_weights(model, folder, max_shard_size)
+        carried = _carry_ignored_tensors(model, base_src.path, folder, target)
+        if carried:
+            logger.warning("kept %d base tensors the stock class ignores on load (%s, ...)", len(carried), carried[0])
+        del model
+        gc.collect()
+        write_config(folder, layout)
+        copy_generation_config(base_src.path, folder)
+        copy_code(folder)
+        copied = copy_tokenizer(base_src.path, folder)
+        result = verify_repo(folder, base_src, adapter_src, device=device)
+        chart_name = None
+        if chart is not None:
+            chart_name = Path(chart).name
+            shutil.copy2(chart, folder / chart_name)
+        card = render_model_card(
+            repo_id=repo_id, layout=layout, base=base_src, adapter=adapter_src, base_id=base_id,
+            adapter_id=adapter_id, dtype=target, license_meta=_base_license(base_src.path, base_config),
+            verification=result, has_processor="preprocessor_config.json" in copied, chart=chart_name, **tables)
+        (folder / "README.md").write_text(card)
+        if not result["passed"]:
+            failed = out.with_name(out.name + ".failed")
+            _replace(folder, failed)
+            raise VerificationFailed(f"{summary_line(result)}; the build is kept at {failed}", result)
+        _replace(folder, out)
+        return result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _replace(new: Path, dest: Path) -> None:
+    """Move the complete folder ``new`` to ``dest``; an existing ``dest`` is moved aside first and restored if the
+    final rename fails, so ``dest`` is at every moment either the old or the new content."""
+    aside = None
+    if dest.exists():
+        aside = new.parent / (dest.name + ".old")
+        dest.rename(aside)
+    try:
+        new.rename(dest)
+    except BaseException:
+        if aside is not None:
+            aside.rename(dest)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", help="base checkpoint: folder or Hub id (text-only or composite Qwen3.5)")
+    parser.add_argument("--adapter", help="PEFT LoRA adapter to merge: folder or Hub id")
+    parser.add_argument("--out", help="output folder (the future Hub repo)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="target dtype (default: the base's)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out (only once the new build "
+                        "is complete and verified)")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE)
+    parser.add_argument("--repo-id", help="the Hub id the folder will be pushed to (for the card's usage code)")
+    parser.add_argument("--base-id", help="Hub id of a base given as a local folder (card front matter)")
+    parser.add_argument("--adapter-id", help="Hub id of an adapter given as a local folder (card)")
+    parser.add_argument("--base-revision", help="branch, tag or commit of a Hub base")
+    parser.add_argument("--adapter-revision", help="branch, tag or commit of a Hub adapter")
+    parser.add_argument("--cache-dir", help="Hugging Face cache folder (default: the usual one)")
+    parser.add_argument("--speed-table", help="markdown file with measured speed, put in the card")
+    parser.add_argument("--quality-table", help="markdown file with measured quality, put in the card")
+    parser.add_argument("--chart", help="PNG chart to ship and show in the card")
+    parser.add_argument("--device", default="cpu", help="device for verification (cpu or cuda)")
+    parser.add_argument("--verify", metavar="FOLDER", help="only re-verify a built folder (sources from its "
+                        "verification.json unless --base / --adapter are given)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    if args.verify:
+        result = verify_repo(args.verify, args.base, args.adapter, device=args.device)
+        print(summary_line(result))
+        return 0 if result["passed"] else 1
+    if not args.base or not args.out:
+        parser.error("--base and --out are required (or --verify FOLDER)")
+    try:
+        result = build_repo(
+            args.base, args.out, args.adapter, dtype=args.dtype, force=args.force, max_shard_size=args.max_shard_size,
+            repo_id=args.repo_id, base_id=args.base_id, adapter_id=args.adapter_id, base_revision=args.base_revision,
+            adapter_revision=args.adapter_revision, cache_dir=args.cache_dir, speed_table=args.speed_table,
+            quality_table=args.quality_table, chart=args.chart, device=args.device)
+    except VerificationFailed as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    print(summary_line(result))
+    print(f"wrote {Path(args.out).absolute()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""scripts/build_repo.py and scripts/push_to_hub.py on tiny checkpoints: the merge (fp32, cast once), the folder a
+build writes, loading it by repo id through an offline Hub cache, verification, the push allowlist and its refusals,
+and what an interrupted build leaves behind."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helpers import CODE_FILES, composite_kwargs, make_hub_snapshot, offline_env, stock_text_config
+from scripts import build_repo, push_to_hub
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = Path(__file__).with_name("hub_load_probe.py")
+TEXT_TARGETS = ["q_proj", "v_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj", "down_proj"]
+LORA_R, LORA_ALPHA = 4, 8
+FP32_KEY = "model.layers.0.linear_attn.A_log"  # stored in float32 by the text base
+# One tiny PNG (1x1, grey) for the chart allowlist.
+PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010800000000"
+                    "3a7e9b550000000a49444154789c63680000008200817f0a2b6e0000000049454e44ae426082")
+SPEED_TABLE = "| path | tokens/s |\n| --- | --- |\n| stock | 10 |\n| fused | 30 |\n"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Tiny sources: a stock checkpoint, a tokenizer, a LoRA adapter with non-zero B
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _write_tokenizer(folder: Path, chat_template: bool) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, 250)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "pad_token": "<unk>"}))
+    if chat_template:
+        (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}\n{% endfor %}")
+
+
+def _make_adapter(model, folder: Path, seed: int) -> None:
+    """A LoRA adapter whose B is random (PEFT initialises it to zero, which would make the merge a no-op)."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=TEXT_TARGETS))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    peft_model.save_pretrained(str(folder))
+
+
+@pytest.fixture(scope="module")
+def text_sources(tmp_path_factory):
+    """A bf16 text-only base (with an `mtp.*` tensor as real Qwen3.5 checkpoints have, one tensor kept in float32, a
+    tokenizer, a chat template and a license) and a LoRA adapter."""
+    from transformers import Qwen3_5ForCausalLM
+
+    root = tmp_path_factory.mktemp("text_sources")
+    base, adapter = root / "base", root / "adapter"
+    torch.manual_seed(0)
+    Qwen3_5ForCausalLM(stock_text_config()).to(torch.bfloat16).save_pretrained(str(base))
+    tensors = load_file(str(base / "model.safetensors"))
+    tensors["mtp.fc.weight"] = torch.randn(64, 128).to(torch.bfloat16)
+    tensors[FP32_KEY] = torch.randn(tensors[FP32_KEY].shape, dtype=torch.float32)  # not representable in bf16
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
+    _write_tokenizer(base, chat_template=True)
+    (base / "README.md").write_text("---\nlicense: apache-2.0\n---\n# tiny base\n")
+    _make_adapter(Qwen3_5ForCausalLM.from_pretrained(str(base), dtype=torch.float32), adapter, seed=1)
+    return base, adapter
+
+
+@pytest.fixture(scope="module")
+def composite_sources(tmp_path_factory):
+    """A float32 composite base (vision tower, no chat template) and an adapter trained on its text-only view
+    (`AutoModelForCausalLM` of a composite repo gives `Qwen3_5ForCausalLM`, keys `model.layers.*`)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    root = tmp_path_factory.mktemp("composite_sources")
+    base, adapter = root / "base", root / "adapter"
+    torch.manual_seed(2)
+    Qwen3_5ForConditionalGeneration(Qwen3_5Config(**composite_kwargs())).save_pretrained(str(base))
+    _write_tokenizer(base, chat_template=False)
+    _make_adapter(Qwen3_5ForCausalLM.from_pretrained(str(base), dtype=torch.float32), adapter, seed=3)
+    return base, adapter
+
+
+def _offline_hub(monkeypatch):
+    """In-process offline mode for huggingface_hub (the subprocess tests use the environment instead)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+@pytest.fixture(scope="module")
+def text_build(text_sources, tmp_path_factory):
+    """Built from Hub ids through an offline cache, default dtype (the base's: bf16), sharded, with tables + chart."""
+    base, adapter = text_sources
+    root = tmp_path_factory.mktemp("text_build")
+    hub = root / "hub"
+    make_hub_snapshot(base, hub, "test-org/tiny-base")
+    make_hub_snapshot(adapter, hub, "test-org/tiny-lora")
+    (root / "speed.md").write_text(SPEED_TABLE)
+    (root / "speed.png").write_bytes(PNG)
+    with pytest.MonkeyPatch.context() as mp:
+        _offline_hub(mp)
+        result = build_repo.build_repo(
+            "test-org/tiny-base", root / "out" / "tiny-fused", "test-org/tiny-lora", cache_dir=str(hub),
+            repo_id="test-org/tiny-fused", max_shard_size="200KB", speed_table=str(root / "speed.md"),
+            chart=str(root / "speed.png"))
+    return root / "out" / "tiny-fused", result
+
+
+@pytest.fixture(scope="module")
+def composite_build(composite_sources, tmp_path_factory):
+    """Built through the CLI from local folders, default dtype (the base's: float32)."""
+    base, adapter = composite_sources
+    out = tmp_path_factory.mktemp("composite_build") / "tiny-vl-fused"
+    rc = build_repo.main(["--base", str(base), "--adapter", str(adapter), "--out", str(out),
+                          "--base-id", "test-org/tiny-vl", "--repo-id", "test-org/tiny-vl-fused"])
+    assert rc == 0
+    return out, json.loads((out / "verification.json").read_text())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Merge reference, computed here from the files (not through PEFT)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in build_repo._safetensors_files(folder):
+        out.update(load_file(str(path)))
+    return out
+
+
+def _merge_reference(base: Path, adapter: Path, dtype, module_prefix: str = "", merge_dtype=torch.float32):
+    """W + (alpha / r) * B @ A for each adapted module, computed in `merge_dtype` and cast to `dtype` (tensors the
+    base keeps in float32 stay float32)."""
+    scaling = LORA_ALPHA / LORA_R
+    stored = _checkpoint(base)
+    weights = {k: v.to(merge_dtype) for k, v in stored.items()}
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    for key in lora:
+        if key.endswith(".lora_A.weight"):
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            a, b = lora[key].to(merge_dtype), lora[key.replace("lora_A", "lora_B")].to(merge_dtype)
+            target = module.replace("model.", "model." + module_prefix, 1) + ".weight"
+            weights[target] = weights[target] + (b @ a) * scaling
+    return {k: v.to(torch.float32 if stored[k].dtype == torch.float32 else dtype) for k, v in weights.items()}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The built folders
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_text_build_merges_in_fp32_and_casts_once(text_build, text_sources):
+    out, result = text_build
+    base, adapter = text_sources
+    built = _checkpoint(out)
+    reference = _merge_reference(base, adapter, torch.bfloat16)
+    assert built.keys() == reference.keys()
+    for key in reference:
+        assert built[key].dtype == (torch.float32 if key == FP32_KEY else torch.bfloat16), key
+        assert torch.equal(built[key], reference[key]), key  # bit for bit: one fp32 merge, one cast
+    # A bf16 merge (what merging a bf16-loaded base does) rounds the update, then the sum: it lands elsewhere.
+    bf16_merge = _merge_reference(base, adapter, torch.bfloat16, merge_dtype=torch.bfloat16)
+    differing = sum(int((bf16_merge[k] != reference[k]).sum()) for k in reference)
+    adapted = sum(reference[k].numel() for k in reference if any(f".{t}." in k for t in TEXT_TARGETS))
+    assert 0 < differing < adapted, (differing, adapted)
+    # the merge mattered: adapted weights moved away from the base
+    base_weights = _checkpoint(base)
+    assert not torch.equal(built["model.layers.0.linear_attn.in_proj_qkv.weight"],
+                           base_weights["model.layers.0.linear_attn.in_proj_qkv.weight"])
+    assert torch.equal(built["model.embed_tokens.weight"], base_weights["model.embed_tokens.weight"])
+
+
+def test_text_build_folder(text_build, text_sources):
+    out, result = text_build
+    base, _ = text_sources
+    files = {p.name for p in out.iterdir()}
+    shards = {n for n in files if n.endswith(".safetensors")}
+    assert len(shards) > 1 and "model.safetensors.index.json" in files  # max_shard_size was honoured
+    assert files - shards == {*CODE_FILES, "config.json", "generation_config.json", "model.safetensors.index.json",
+                              "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "README.md",
+                              "verification.json", "speed.png"}
+    for name in CODE_FILES:
+        assert (out / name).read_bytes() == (REPO / name).read_bytes()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (out / name).read_bytes() == (base / name).read_bytes(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and config["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert config["auto_map"] == build_repo.LAYOUTS["text"].auto_map
+    assert config["fused_kernels"] is True and config["cuda_graphs"] is True and config["dtype"] == "bfloat16"
+    # the same tensor names and shapes as the stock checkpoint, the ignored-on-load `mtp.*` head included
+    shapes = lambda folder: {k: s for k, (_, s) in build_repo.checkpoint_shapes(folder).items()}
+    assert shapes(out) == shapes(base) and "mtp.fc.weight" in shapes(out)
+
+
+def test_text_build_verification(text_build):
+    out, result = text_build
+    assert json.loads((out / "verification.json").read_text()) == result
+    assert result["passed"] and result["failed"] == [] and result["dtype"] == "bfloat16"
+    checks = result["checks"]
+    assert checks["fused_load"]["class"] == "Qwen3_5FusedForCausalLM"
+    assert not checks["fused_load"]["module"].startswith("transformers.")  # the remote code really ran
+    assert checks["stock_load"]["class"] == "Qwen3_5ForCausalLM"
+    assert checks["fused_vs_stock"]["rel_err"] == 0.0  # CPU: the fused classes run stock's code
+    assert checks["greedy"]["fused"] == checks["greedy"]["stock"] and len(checks["greedy"]["fused"]) == 8
+    ref = checks["vs_reference"]
+    assert ref["reference"].startswith("base + adapter, unmerged")
+    # bf16 storage error, bounded by the measured rounding estimate; far below what the adapter itself changes
+    assert 0 < ref["rel_err"] <= ref["bound"] < ref["adapter_effect"]
+    # Hub sources are recorded by id and commit, without the local cache path
+    assert result["sources"]["base"].keys() == {"hub_id", "revision"}
+    assert result["sources"]["base"]["hub_id"] == "test-org/tiny-base"
+    assert len(result["sources"]["base"]["revision"]) == 40
+    assert set(result["files"]) == set(push_to_hub.hashed_files(out))
+    assert result["versions"]["transformers"] and result["versions"]["peft"]
+
+
+def test_text_build_model_card(text_build):
+    from huggingface_hub import metadata_load
+
+    out, result = text_build
+    meta = metadata_load(out / "README.md")
+    assert meta["license"] == "apache-2.0"  # carried from the base's card
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    assert meta["base_model"] == "test-org/tiny-base" and meta["base_model_relation"] == "finetune"
+    assert {"custom_code", "qwen3_5"} <= set(meta["tags"])
+    card = (out / "README.md").read_text()
+    for needle in ('"test-org/tiny-fused", "<commit sha>"', "trust_remote_code=True", "Without remote code",
+                   "flash-linear-attention", "merged (`merge_and_unload`) in float32, then cast once to bfloat16",
+                   "test-org/tiny-lora@", SPEED_TABLE.strip(), "![speed chart](speed.png)",
+                   f"{result['checks']['vs_reference']['rel_err']:.2e}"):
+        assert needle in card, needle
+
+
+def test_composite_build(composite_build, composite_sources, caplog):
+    out, result = composite_build
+    base, adapter = composite_sources
+    assert result["passed"] and result["layout"] == "composite" and result["dtype"] == "float32"
+    assert result["inputs"]["image"] is True  # the logits check ran the vision tower too
+    checks = result["checks"]
+    assert checks["fused_load"]["class"] == "Qwen3_5FusedForConditionalGeneration"
+    assert checks["stock_load"]["class"] == "Qwen3_5ForConditionalGeneration"
+    assert checks["vs_reference"]["bound"] == build_repo.FP32_MERGE_BOUND  # float32: the tight bound
+    assert checks["vs_reference"]["rel_err"] <= 1e-5 < checks["vs_reference"]["adapter_effect"]
+    # the text-only adapter landed on model.language_model.* (renamed), merged in fp32
+    built, reference = _checkpoint(out), _merge_reference(base, adapter, torch.float32, "language_model.")
+    assert built.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(built[key], reference[key]), key
+    base_weights = _checkpoint(base)
+    assert not torch.equal(built["model.language_model.layers.3.self_attn.q_proj.weight"],
+                           base_weights["model.language_model.layers.3.self_attn.q_proj.weight"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5" and config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert config["auto_map"] == build_repo.LAYOUTS["composite"].auto_map
+    assert config["fused_kernels"] is True and config["text_config"]["fused_kernels"] is True
+    from huggingface_hub import metadata_load
+
+    meta = metadata_load(out / "README.md")
+    assert meta["pipeline_tag"] == "image-text-to-text" and meta["base_model"] == "test-org/tiny-vl"
+    assert "license" not in meta  # the base states none
+
+
+def test_missing_chat_template_warns(composite_sources, tmp_path, caplog):
+    base, _ = composite_sources
+    with caplog.at_level("WARNING", logger="build_repo"):
+        copied = build_repo.copy_tokenizer(base, tmp_path)
+    assert copied == ["tokenizer.json", "tokenizer_config.json"]
+    assert "no chat template" in caplog.text
+
+
+def test_layout_detection():
+    assert build_repo.detect_layout({"model_type": "qwen3_5_text"}).stock_class == "Qwen3_5ForCausalLM"
+    assert build_repo.detect_layout({"architectures": ["Qwen3_5ForConditionalGeneration"],
+                                     "vision_config": {}}).name == "composite"
+    with pytest.raises(ValueError, match="not a Qwen3.5 checkpoint"):
+        build_repo.detect_layout({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+
+
+def test_built_repos_load_by_id_offline(text_build, composite_build, tmp_path):
+    """One subprocess (imports are slow) runs tests/hub_load_probe.py for each repo id: trust_remote_code loads the
+    fused class, without it the stock class; both without missing keys and with the same logits."""
+    make_hub_snapshot(text_build[0], tmp_path / "hub", "test-org/tiny-fused")
+    make_hub_snapshot(composite_build[0], tmp_path / "hub", "test-org/tiny-vl-fused")
+    runs = [("test-org/tiny-fused", "AutoModelForCausalLM"),
+            ("test-org/tiny-vl-fused", "AutoModelForImageTextToText"),
+            ("test-org/tiny-vl-fused", "AutoModelForCausalLM")]
+    code = ("import runpy, sys\n"
+            f"for args in {runs!r}:\n"
+            "    sys.argv = ['hub_load_probe.py', *args]\n"
+            f"    runpy.run_path({str(PROBE)!r}, run_name='__main__')\n")
+    env = offline_env(tmp_path / "hub", tmp_path / "modules")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    expected = [("Qwen3_5FusedForCausalLM", "Qwen3_5ForCausalLM"),
+                ("Qwen3_5FusedForConditionalGeneration", "Qwen3_5ForConditionalGeneration"),
+                ("Qwen3_5FusedForCausalLM", "Qwen3_5ForCausalLM")]  # a stock Qwen3_5ForCausalLM loads both
+    assert len(results) == len(expected)
+    for result, (fused_class, stock_class) in zip(results, expected):
+        fused, stock = result["True"], result["False"]
+        assert (fused["class"], stock["class"]) == (fused_class, stock_class)
+        assert not fused["module"].startswith("transformers.") and stock["module"].startswith("transformers.")
+        for r in (fused, stock):
+            assert not r["missing"] and not r["unexpected"] and not r["mismatched"], r
+        assert fused["fused_kernels"] is True
+        assert fused["logits"] == stock["logits"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Push
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _RecordingApi:
+    """Replaces HfApi's network methods; `allowed=False` fails the test on any call."""
+
+    def __init__(self, monkeypatch, allowed=True):
+        from huggingface_hub import HfApi
+
+        self.calls = []
+        for name in ("create_repo", "create_branch", "create_commit"):
+            monkeypatch.setattr(HfApi, name, self._method(name, allowed))
+
+    def _method(self, name, allowed):
+        def call(api, **kwargs):
+            assert allowed, f"HfApi.{name} was called"
+            self.calls.append((name, kwargs))
+            return type("CommitInfo", (), {"commit_url": "https://example.invalid/commit/1"})()
+        return call
+
+
+def _pushable_copy(text_build, tmp_path) -> Path:
+    folder = tmp_path / "tiny-fused"
+    shutil.copytree(text_build[0], folder)
+    # things that must never be uploaded
+    (folder / ".env").write_text("HF_TOKEN=hf_secret\n")
+    (folder / "token").write_text("hf_secret\n")
+    (folder / "notes.txt").write_text("scratch\n")
+    (folder / "screenshot.png").write_bytes(PNG)
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "x.lock").write_text("")
+    (folder / "__pycache__").mkdir()
+    return folder
+
+
+def test_push_uploads_exactly_the_allowlist(text_build, tmp_path, monkeypatch, capsys):
+    folder = _pushable_copy(text_build, tmp_path)
+    monkeypatch.setenv("HF_TOKEN", "hf_never_printed")
+    api = _RecordingApi(monkeypatch)
+    assert push_to_hub.main([str(folder), "test-org/tiny-fused", "--private", "--branch", "fused-v1"]) == 0
+    names = [name for name, _ in api.calls]
+    assert names == ["create_repo", "create_branch", "create_commit"]
+    assert api.calls[0][1] == {"repo_id": "test-org/tiny-fused", "repo_type": "model", "private": True,
+                               "exist_ok": True}
+    assert api.calls[1][1]["branch"] == "fused-v1" and api.calls[1][1]["exist_ok"] is True
+    commit = api.calls[2][1]
+    assert commit["revision"] == "fused-v1"
+    uploaded = {op.path_in_repo for op in commit["operations"]}
+    assert uploaded == {p.name for p in text_build[0].iterdir()}  # everything built, chart included, nothing else
+    result = text_build[1]
+    ref = result["checks"]["vs_reference"]
+    assert "verified" in commit["commit_message"] and f"{ref['rel_err']:.2e}" in commit["commit_message"]
+    assert push_to_hub.summary_line(result) in commit["commit_description"]
+    assert result["files"][sorted(n for n in uploaded if n.endswith(".safetensors"))[0]] in commit["commit_description"]
+    out = capsys.readouterr().out
+    for skipped in (".env (hidden)", "token (not in the allowlist)", "notes.txt (not in the allowlist)",
+                    "screenshot.png (chart not shown in README.md)", ".cache (hidden)", "__pycache__ (folder)"):
+        assert skipped in out, skipped
+    assert "hf_never_printed" not in out and "hf_secret" not in out
+
+
+def test_push_dry_run_calls_nothing(text_build, tmp_path, monkeypatch, capsys):
+    folder = _pushable_copy(text_build, tmp_path)
+    _RecordingApi(monkeypatch, allowed=False)
+    assert push_to_hub.main([str(folder), "test-org/tiny-fused", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "create_repo(repo_id='test-org/tiny-fused', repo_type='model', private=False, exist_ok=True)" in out
+    assert "create_branch" not in out
+    for name in ("config.json", "model.safetensors.index.json", "README.md", "verification.json", "speed.png"):
+        assert f"CommitOperationAdd(path_in_repo={name!r})" in out
+    assert "CommitOperationAdd(path_in_repo='notes.txt')" not in out
+    assert "dry run: nothing was sent" in out
+
+
+def test_push_refuses_missing_stale_or_failed_verification(text_build, text_sources, tmp_path, monkeypatch):
+    _RecordingApi(monkeypatch, allowed=False)
+    base, _ = text_sources
+
+    def refused(folder, match):
+        with pytest.raises(push_to_hub.PushRefused, match=match):
+            push_to_hub.push(folder, "test-org/x")
+        assert push_to_hub.main([str(folder), "test-org/x"]) == 1
+
+    missing = tmp_path / "missing"
+    shutil.copytree(text_build[0], missing)
+    (missing / "verification.json").unlink()
+    refused(missing, "no verification.json")
+
+    tampered = tmp_path / "tampered"
+    shutil.copytree(text_build[0], tampered)
+    shard = sorted(tampered.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-2] + b"\x00\x01")
+    refused(tampered, "modified since verification")
+
+    extra = tmp_path / "extra"
+    shutil.copytree(text_build[0], extra)
+    shutil.copy2(shard, extra / "model-99.safetensors")
+    refused(extra, r"added \['model-99.safetensors'\]")
+
+    # Re-verified against the base alone, the merged folder fails (the check has teeth), and cannot be pushed.
+    failed = tmp_path / "failed"
+    shutil.copytree(text_build[0], failed)
+    result = build_repo.verify_repo(failed, build_repo.Source(str(base)), None)
+    assert not result["passed"] and result["failed"] == ["vs_reference"]
+    assert result["checks"]["vs_reference"]["rel_err"] > result["checks"]["vs_reference"]["bound"]
+    refused(failed, "verification failed")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Safety of the output folder
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _fail_on_second_shard(monkeypatch):
+    """Make transformers' shard writer raise (as Ctrl-C would) once the first shard of each build is on disk."""
+    import transformers.modeling_utils as modeling_utils
+
+    original, calls = modeling_utils.safe_save_file, []
+
+    def save_then_interrupt(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) % 2 == 0:
+            raise KeyboardInterrupt("interrupted mid-save")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", save_then_interrupt)
+    return calls
+
+
+def test_interrupted_build_leaves_output_untouched(text_sources, tmp_path, monkeypatch):
+    base, adapter = text_sources
+    calls = _fail_on_second_shard(monkeypatch)
+    out = tmp_path / "out" / "repo"
+    with pytest.raises(KeyboardInterrupt):
+        build_repo.build_repo(str(base), out, str(adapter), max_shard_size="200KB")
+    assert len(calls) == 2  # it did stop mid-save, after one shard
+    assert not out.exists() and list(out.parent.iterdir()) == []  # no output, no half-written temp folder
+
+    out.mkdir()
+    (out / "config.json").write_text("old")
+    with pytest.raises(FileExistsError, match="--force"):
+        build_repo.build_repo(str(base), out, str(adapter))
+    with pytest.raises(KeyboardInterrupt):
+        build_repo.build_repo(str(base), out, str(adapter), max_shard_size="200KB", force=True)
+    assert [p.name for p in out.parent.iterdir()] == ["repo"]
+    assert [p.name for p in out.iterdir()] == ["config.json"] and (out / "config.json").read_text() == "old"
+
+
+def test_failed_verification_keeps_the_old_output(text_sources, tmp_path, monkeypatch):
+    """--force replaces the output only with a verified build; a failing one is kept aside as <out>.failed."""
+    base, adapter = text_sources
+    monkeypatch.setattr(build_repo, "ROUNDING_FACTOR", 0.0)  # the bf16 storage error now exceeds the bound
+    out = tmp_path / "repo"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with pytest.raises(build_repo.VerificationFailed) as info:
+        build_repo.build_repo(str(base), out, str(adapter), force=True)
+    assert info.value.result["failed"] == ["vs_reference"]
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    failed = tmp_path / "repo.failed"
+    assert json.loads((failed / "verification.json").read_text())["passed"] is False
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo", "repo.failed"]
+    with pytest.raises(push_to_hub.PushRefused, match="verification failed"):
+        push_to_hub.push(failed, "test-org/x", dry_run=True)
