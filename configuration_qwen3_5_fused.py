@@ -29,6 +29,22 @@ _ENV_TRUE = ("1", "true", "yes", "on")
 _ENV_FALSE = ("0", "false", "no", "off")
 
 
+# `auto_map` entries of a repo that ships this code, by checkpoint layout. Composite (vision-language) repos, the
+# layout of real Qwen3.5 checkpoints, map AutoModelForCausalLM to a loader that builds the text-only causal LM, as
+# stock transformers does for its own classes.
+AUTO_MAP_TEXT = {
+    "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5FusedTextConfig",
+    "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedTextModel",
+    "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLM",
+}
+AUTO_MAP_COMPOSITE = {
+    "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5FusedConfig",
+    "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedModel",
+    "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLMLoader",
+    "AutoModelForImageTextToText": "modeling_qwen3_5_fused.Qwen3_5FusedForConditionalGeneration",
+}
+
+
 def check_switch(name: str, value) -> bool:
     """Return ``value`` if it is a bool, else raise ``ValueError`` naming the switch, the value and what is allowed."""
     if isinstance(value, bool):
@@ -101,4 +117,4 @@ class Qwen3_5FusedConfig(Qwen3_5Config):
         _validate(self)
 
 
-__all__ = ["Qwen3_5FusedConfig", "Qwen3_5FusedTextConfig"]
+__all__ = ["Qwen3_5FusedConfig", "Qwen3_5FusedTextConfig", "AUTO_MAP_TEXT", "AUTO_MAP_COMPOSITE"]

@@ -577,9 +577,17 @@ class Qwen3_5FusedForCausalLMLoader(Qwen3_5FusedForCausalLM):
         return Qwen3_5FusedForCausalLM._from_config(cls._text_config_of(config), **kwargs)
 
 
-# The stock composite model builds its text backbone with `AutoModel.from_config(config.text_config)`; registering
-# our text config class (not a model type: stock `qwen3_5_text` keeps its stock class) makes that build the fused one.
-AutoModel.register(Qwen3_5FusedTextConfig, Qwen3_5FusedTextModel, exist_ok=True)
+def _register_text_backbone(config) -> None:
+    """Make the stock composite ``__init__`` build the fused text backbone.
+
+    It builds it with ``AutoModel.from_config(config.text_config)``; registering the text config's class (by class,
+    not by model type: stock ``qwen3_5_text`` keeps its stock class) makes that return the fused one. Registered
+    from the config actually passed in, because a repo loaded from a local folder gets its code modules imported
+    under per-file hashes, so its config class can be another copy than the one this module imported.
+    """
+    text_config_class = type(getattr(config, "text_config", None))
+    if issubclass(text_config_class, Qwen3_5FusedTextConfig) or text_config_class.__name__ == Qwen3_5FusedTextConfig.__name__:
+        AutoModel.register(text_config_class, Qwen3_5FusedTextModel, exist_ok=True)
 
 
 class Qwen3_5FusedModel(_FusedPreTrainedMixin, Qwen3_5Model):
@@ -587,6 +595,7 @@ class Qwen3_5FusedModel(_FusedPreTrainedMixin, Qwen3_5Model):
 
     def __init__(self, config):
         _check_model_type(config)
+        _register_text_backbone(config)
         super().__init__(config)
         self._refresh_fused()
 
@@ -599,6 +608,7 @@ class Qwen3_5FusedForConditionalGeneration(_FusedPreTrainedMixin, Qwen3_5ForCond
 
     def __init__(self, config):
         _check_model_type(config)
+        _register_text_backbone(config)
         super().__init__(config)
         self._refresh_fused()
 

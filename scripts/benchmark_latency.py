@@ -212,6 +212,31 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
     return out
 
 
+def profile_forward(models: dict, T: int, device, vocab, rows: int = 12) -> dict:
+    """Kernel count and summed GPU time of one forward at T tokens, and the top kernels (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, vocab, (1, T), device=device)
+    out = {}
+    for name, model in models.items():
+        with torch.inference_mode():
+            model(input_ids=ids, logits_to_keep=1)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                model(input_ids=ids, logits_to_keep=1)
+                torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        total_us = sum(e.self_device_time_total for e in events)
+        launches = sum(e.count for e in events)
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:rows]
+        out[name] = {"kernels": launches, "gpu_ms": total_us / 1e3,
+                     "top": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3)) for e in top]}
+        log(f"profile T={T} {name}: {launches} kernels, {total_us / 1e3:.2f} ms GPU")
+        for key, count, ms in out[name]["top"]:
+            print(f"    {ms:8.3f} ms  x{count:<5d} {key}")
+    return out
+
+
 def peak_memory(models: dict, T: int, device, vocab) -> dict:
     if device.type != "cuda":
         return {}
@@ -309,6 +334,7 @@ def main(argv=None):
     p.add_argument("--decode-batches", default="1,8")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--profile", default="", help="comma list of lengths to profile (GPU): kernel counts, top kernels")
     p.add_argument("--out", default="out/bench")
     args = p.parse_args(argv)
 
@@ -344,6 +370,8 @@ def main(argv=None):
         r["decode"] = {b: decode_speed(models, int(b), args.prompt_len, args.new_tokens, device, vocab)
                        for b in args.decode_batches.split(",") if b}
         r["memory"] = peak_memory(models, max(lengths), device, vocab)
+        if args.profile and device.type == "cuda":
+            r["profile"] = {T: profile_forward(models, int(T), device, vocab) for T in args.profile.split(",")}
         ceil = results["ceilings"]
         r["floors"] = {"forward_ms": {str(T): 2 * (counts["body"] * T + counts["lm_head"]) / ceil["bf16_flops_per_s"] * 1e3 for T in lengths},
                        "decode_ms": counts["weight_bytes"] / ceil["copy_bytes_per_s"] * 1e3} if ceil else {}

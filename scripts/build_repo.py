@@ -52,6 +52,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from scripts.common import import_repo  # noqa: E402
+
+CONFIG = import_repo()[0]
 from scripts.push_to_hub import (  # noqa: E402
     CODE_FILES,
     PROCESSOR_FILES,
@@ -127,11 +129,7 @@ LAYOUTS = {
         auto_class="AutoModelForCausalLM",
         fused_class="Qwen3_5FusedForCausalLM",
         pipeline_tag="text-generation",
-        auto_map={
-            "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5FusedTextConfig",
-            "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedTextModel",
-            "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLM",
-        },
+        auto_map=CONFIG.AUTO_MAP_TEXT,
     ),
     "composite": Layout(
         name="composite",
@@ -140,12 +138,7 @@ LAYOUTS = {
         auto_class="AutoModelForImageTextToText",
         fused_class="Qwen3_5FusedForConditionalGeneration",
         pipeline_tag="image-text-to-text",
-        auto_map={
-            "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5FusedConfig",
-            "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedModel",
-            "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLMLoader",
-            "AutoModelForImageTextToText": "modeling_qwen3_5_fused.Qwen3_5FusedForConditionalGeneration",
-        },
+        auto_map=CONFIG.AUTO_MAP_COMPOSITE,
     ),
 }
 

@@ -24,7 +24,6 @@ implementations that transformers ships for the duration of the run.
 
 import argparse
 import contextlib
-import inspect
 import json
 import math
 import os
@@ -69,32 +68,22 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
-_LINEAR_ATTENTION_FUNCS = (
-    "torch_chunk_gated_delta_rule",
-    "torch_recurrent_gated_delta_rule",
-    "causal_conv1d_fn",
-    "causal_conv1d_update",
-)
-
-
-@contextlib.contextmanager
 def torch_linear_attention():
     """Make the stock Qwen3.5 linear-attention layers use transformers' plain torch code (CPU-safe).
 
-    transformers wraps these module-level functions so that they dispatch to flash-linear-attention / causal-conv1d
-    when installed; those are Triton/CUDA kernels and fail on CPU tensors. ``inspect.unwrap`` gives back the torch
-    reference implementation. The originals are restored on exit.
+    transformers wraps these functions so that they dispatch to flash-linear-attention / causal-conv1d when
+    installed; those are Triton/CUDA kernels and fail on CPU tensors. The repo's modeling file has the context
+    manager that routes them back to torch (its CPU fallback uses it); this is that one.
     """
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as mod
+    return _repo_modules()[1]._torch_reference_kernels()
 
-    saved = {name: getattr(mod, name) for name in _LINEAR_ATTENTION_FUNCS}
-    try:
-        for name, fn in saved.items():
-            setattr(mod, name, inspect.unwrap(fn))
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(mod, name, fn)
+
+def _repo_modules():
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from scripts.common import import_repo
+
+    return import_repo()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -275,12 +264,6 @@ VISION_CONFIG = {
     "initializer_range": 0.02,
 }
 
-AUTO_MAP = {
-    "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5FusedConfig",
-    "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedModel",
-    "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLM",
-    "AutoModelForImageTextToText": "modeling_qwen3_5_fused.Qwen3_5FusedForConditionalGeneration",
-}
 
 
 def export_composite(text_model, tokenizer, out_dir: Path, seed: int) -> dict:
@@ -316,7 +299,7 @@ def export_composite(text_model, tokenizer, out_dir: Path, seed: int) -> dict:
     cfg = json.loads(cfg_path.read_text())
     cfg["fused_kernels"] = True
     cfg["cuda_graphs"] = True
-    cfg["auto_map"] = AUTO_MAP
+    cfg["auto_map"] = _repo_modules()[0].AUTO_MAP_COMPOSITE
     cfg["text_config"]["fused_kernels"] = True
     cfg["text_config"]["cuda_graphs"] = True
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

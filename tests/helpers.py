@@ -77,11 +77,8 @@ def padded_batch(batch: int, seq_len: int, padding: str | None, vocab: int = 256
 
 
 CODE_FILES = ("configuration_qwen3_5_fused.py", "modeling_qwen3_5_fused.py", "fused_ops.py")
-AUTO_MAP_TEXT = {
-    "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5FusedTextConfig",
-    "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedTextModel",
-    "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLM",
-}
+AUTO_MAP_TEXT = configuration.AUTO_MAP_TEXT
+AUTO_MAP_COMPOSITE = configuration.AUTO_MAP_COMPOSITE
 
 
 def make_hub_snapshot(src_dir, cache_dir, repo_id: str, files=None) -> str:

@@ -1,13 +1,15 @@
 """Run in a subprocess with HF_HUB_OFFLINE=1 and a prepared cache: load a repo id with and without
 trust_remote_code and print one JSON line with what came back. Usage: hub_load_probe.py REPO_ID AUTO_CLASS"""
 
-import inspect
 import json
 import sys
+from pathlib import Path
 
 import torch
 import transformers
-from transformers.models.qwen3_5 import modeling_qwen3_5 as stock_mod
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.common import import_repo  # noqa: E402
 
 repo_id, auto_name = sys.argv[1], sys.argv[2]
 auto = getattr(transformers, auto_name)
@@ -15,15 +17,8 @@ auto = getattr(transformers, auto_name)
 
 def stock_cpu_forward(model, ids):
     """Stock Qwen3.5 + fla crashes on CPU tensors; route its DeltaNet helpers to torch for the reference."""
-    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
-    saved = {n: getattr(stock_mod, n) for n in names}
-    try:
-        for n, f in saved.items():
-            setattr(stock_mod, n, inspect.unwrap(f))
+    with import_repo()[1]._torch_reference_kernels():
         return model(input_ids=ids).logits
-    finally:
-        for n, f in saved.items():
-            setattr(stock_mod, n, f)
 
 
 result = {}

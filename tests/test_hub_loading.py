@@ -10,16 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import AUTO_MAP_TEXT, CODE_FILES, composite_kwargs, configuration, make_hub_snapshot, modeling, offline_env
+from helpers import AUTO_MAP_COMPOSITE, AUTO_MAP_TEXT, CODE_FILES, composite_kwargs, configuration, make_hub_snapshot, modeling, offline_env
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = Path(__file__).with_name("hub_load_probe.py")
-AUTO_MAP_COMPOSITE = {
-    "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5FusedConfig",
-    "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedModel",
-    "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLMLoader",
-    "AutoModelForImageTextToText": "modeling_qwen3_5_fused.Qwen3_5FusedForConditionalGeneration",
-}
 
 
 def _write_repo(model, folder: Path, auto_map: dict) -> None:
@@ -106,3 +100,51 @@ def test_remote_code_imports_without_triton_and_fla(tmp_path):
     assert result["True"]["class"] == "Qwen3_5FusedForCausalLM"
     assert result["True"]["logits"] == result["False"]["logits"]
     assert "triton is not installed" in result["True"]["describe"]["reason"]
+
+
+ROOT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "chat_template.jinja", *CODE_FILES)
+ROOT_PROBE = Path(__file__).with_name("root_repo_probe.py")
+
+
+def _root_probe(tmp_path, target, auto_name):
+    env = offline_env(tmp_path / "hub", tmp_path / "modules")
+    proc = subprocess.run([sys.executable, str(ROOT_PROBE), target, auto_name], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("via", ["repo-id", "local-folder"])
+def test_shipped_model_loads_and_reproduces_recorded_nll(tmp_path, via):
+    """The repo root is a Hub model repo: by id through the offline cache, and from a plain local folder (as after
+    `hf download --local-dir`), with and without trust_remote_code, the held-out NLL is the one recorded at
+    training time."""
+    recorded = json.loads((REPO / "training_report.json").read_text())
+    if via == "repo-id":
+        make_hub_snapshot(REPO, tmp_path / "hub", "test-org/qwen35-fused-tiny", files=ROOT_FILES)
+        target = "test-org/qwen35-fused-tiny"
+    else:
+        target = str(tmp_path / "local")
+        Path(target).mkdir()
+        for name in ROOT_FILES:
+            shutil.copy2(REPO / name, Path(target) / name)
+    result = _root_probe(tmp_path, target, "AutoModelForCausalLM")
+    fused, stock = result["True"], result["False"]
+    assert fused["class"] == "Qwen3_5FusedForCausalLM" and stock["class"] == "Qwen3_5ForCausalLM"
+    for r in (fused, stock):
+        assert not r["missing"] and not r["unexpected"], r
+    want = recorded["heldout"]["nll_per_token"]
+    assert abs(fused["nll"]["nll_per_token"] - want) <= 1e-4 * want
+    assert abs(stock["nll"]["nll_per_token"] - want) <= 1e-4 * want
+
+
+def test_shipped_model_loads_as_image_text_to_text_from_local_folder(tmp_path):
+    target = tmp_path / "local"
+    target.mkdir()
+    for name in ROOT_FILES:
+        shutil.copy2(REPO / name, target / name)
+    result = _root_probe(tmp_path, str(target), "AutoModelForImageTextToText")
+    assert result["True"]["class"] == "Qwen3_5FusedForConditionalGeneration"
+    assert result["False"]["class"] == "Qwen3_5ForConditionalGeneration"
+    assert not result["True"]["missing"] and not result["True"]["unexpected"]

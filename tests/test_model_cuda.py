@@ -3,6 +3,10 @@
 Run on the device: `python -m pytest -m cuda -q tests`. Bounds (issue 3): relative logit error <= 2e-5 in fp32 and
 <= 1.5e-2 in bf16 / fp16 (bf16 keeps 8 mantissa bits; the fused kernels round once where stock rounds after each op,
 so the two paths differ by bf16 rounding, accumulated over 4 layers).
+
+fp32 means fp32 here: tests/conftest.py sets TRITON_F32_DEFAULT=ieee, because Triton's default for fp32 `tl.dot` is
+TF32, and fla's chunked delta rule (used by stock and fused alike) would then amplify any last-bit difference in its
+inputs to ~1e-4 (measured on the H200, 2026-11-30: 8e-5 to 1.2e-4 at T=129 with 16:16 to 16:48 linear heads).
 """
 
 import pytest
@@ -87,8 +91,10 @@ def test_prefill_cache_state_matches_stock_fp32():
             assert rel_err(lf.conv_states[0], ls.conv_states[0]) <= 1e-6
             assert rel_err(lf.recurrent_states[0], ls.recurrent_states[0]) <= BOUND[torch.float32]
         else:
+            # Layers after the first see hidden states that went through fused layers, so even the copied v
+            # differs by the fp32 bound; v's bit-exact copy is checked per kernel in test_fused_ops.
             assert rel_err(lf.keys, ls.keys) <= BOUND[torch.float32]
-            assert torch.equal(lf.values, ls.values)
+            assert rel_err(lf.values, ls.values) <= BOUND[torch.float32]
 
 
 def test_grad_enabled_falls_back_and_matches():

@@ -1,0 +1,33 @@
+"""Subprocess probe for the shipped model: load REPO_OR_PATH with AUTO_CLASS, with and without trust_remote_code,
+and print the classes and the held-out NLL of both (the recorded evaluation procedure). Usage:
+root_repo_probe.py REPO_OR_PATH AUTO_CLASS"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("train_tiny_model", REPO / "scripts" / "train_tiny_model.py")
+tiny = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tiny)
+
+target, auto_name = sys.argv[1], sys.argv[2]
+auto = getattr(transformers, auto_name)
+tokenizer = transformers.AutoTokenizer.from_pretrained(target)
+text = (REPO / "data" / "heldout.txt").read_text()
+torch.set_num_threads(1)
+result = {}
+for trust in (True, False):
+    model, info = auto.from_pretrained(target, trust_remote_code=trust, dtype=torch.float32, output_loading_info=True)
+    model.eval()
+    lm = model
+    with tiny.torch_linear_attention():
+        nll = tiny.heldout_nll(lm, tokenizer, text) if auto_name == "AutoModelForCausalLM" else None
+    result[str(trust)] = {"class": type(model).__name__, "module": type(model).__module__,
+                          "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
+                          "nll": nll, "fused_kernels": getattr(model.config, "fused_kernels", None)}
+print("RESULT " + json.dumps(result))
