@@ -132,12 +132,14 @@ def build_pair(shape: str | None, model_id: str | None, device, dtype, seed: int
 
 
 def param_counts(model) -> dict:
+    """Parameter counts and bytes, each tensor counted once by its memory (tied or shared weights are one)."""
+    unique = {p.data_ptr(): p for p in model.parameters()}.values()
     embed = model.get_input_embeddings().weight
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in unique)
     tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
     head = model.lm_head.weight.numel()
     body = total - embed.numel() - (0 if tied else head)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in unique)
     return {"total": total, "body": body, "lm_head": head, "tied": tied, "weight_bytes": nbytes}
 
 
@@ -213,7 +215,8 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
 
 
 def profile_forward(models: dict, T: int, device, vocab, rows: int = 12) -> dict:
-    """Kernel count and summed GPU time of one forward at T tokens, and the top kernels (torch profiler)."""
+    """One forward at T tokens under the torch profiler: kernel count, summed GPU time and the top kernels, and on the
+    host side the ops with the most self CPU time (where host-bound wall time goes) and any device syncs."""
     from torch.profiler import ProfilerActivity, profile
 
     ids = torch.randint(0, vocab, (1, T), device=device)
@@ -222,18 +225,25 @@ def profile_forward(models: dict, T: int, device, vocab, rows: int = 12) -> dict
         with torch.inference_mode():
             model(input_ids=ids, logits_to_keep=1)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 model(input_ids=ids, logits_to_keep=1)
                 torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-        total_us = sum(e.self_device_time_total for e in events)
-        launches = sum(e.count for e in events)
-        top = sorted(events, key=lambda e: -e.self_device_time_total)[:rows]
-        out[name] = {"kernels": launches, "gpu_ms": total_us / 1e3,
-                     "top": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3)) for e in top]}
-        log(f"profile T={T} {name}: {launches} kernels, {total_us / 1e3:.2f} ms GPU")
+        averages = prof.key_averages()
+        gpu = [e for e in averages if e.device_type.name == "CUDA"]
+        cpu = [e for e in averages if e.device_type.name == "CPU"]
+        total_us = sum(e.self_device_time_total for e in gpu)
+        launches = sum(e.count for e in gpu)
+        top = sorted(gpu, key=lambda e: -e.self_device_time_total)[:rows]
+        top_cpu = sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:rows]
+        syncs = sum(e.count for e in cpu if "synchronize" in e.key.lower() or e.key in ("aten::item", "aten::_local_scalar_dense"))
+        out[name] = {"kernels": launches, "gpu_ms": total_us / 1e3, "host_syncs": syncs,
+                     "top": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3)) for e in top],
+                     "top_cpu": [(e.key[:90], e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in top_cpu]}
+        log(f"profile T={T} {name}: {launches} kernels, {total_us / 1e3:.2f} ms GPU, {syncs} host syncs")
         for key, count, ms in out[name]["top"]:
-            print(f"    {ms:8.3f} ms  x{count:<5d} {key}")
+            print(f"    gpu {ms:8.3f} ms  x{count:<5d} {key}")
+        for key, count, ms in out[name]["top_cpu"]:
+            print(f"    cpu {ms:8.3f} ms  x{count:<5d} {key}")
     return out
 
 
@@ -306,10 +316,11 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, r in results["models"].items():
+    for i, (name, r) in enumerate(results["models"].items()):
         Ts = sorted(int(t) for t in r["forward"]["stock"])
         for kind, style in (("stock", "--"), ("fused", "-")):
-            ax.plot(Ts, [r["forward"][kind][str(T)]["median"] for T in Ts], style, marker="o", label=f"{name} {kind}")
+            ax.plot(Ts, [r["forward"][kind][str(T)]["median"] for T in Ts], style, marker="o", color=f"C{i}",
+                    label=f"{name} {kind}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens (batch 1, no cache)")
     ax.set_ylabel("forward latency, median ms")

@@ -75,11 +75,12 @@ def test_heldout_nll_matches_report(report, tokenizer):
 def test_torch_linear_attention_restores_originals():
     from transformers.models.qwen3_5 import modeling_qwen3_5 as mod
 
-    before = {n: getattr(mod, n) for n in tiny._LINEAR_ATTENTION_FUNCS}
+    names = tiny._repo_modules()[1]._STOCK_KERNEL_FNS
+    before = {n: getattr(mod, n) for n in names}
     with tiny.torch_linear_attention():
-        for name in tiny._LINEAR_ATTENTION_FUNCS:
+        for name in names:
             assert not hasattr(getattr(mod, name), "__wrapped__")
-    assert {n: getattr(mod, n) for n in tiny._LINEAR_ATTENTION_FUNCS} == before
+    assert {n: getattr(mod, n) for n in names} == before
 
 
 def test_tokenizer_round_trip(tokenizer):
@@ -132,7 +133,7 @@ def test_config_is_stock_composite_with_fused_switches(config_json, tokenizer):
     assert cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"]
     assert cfg["fused_kernels"] is True and cfg["cuda_graphs"] is True
     assert cfg["text_config"]["fused_kernels"] is True and cfg["text_config"]["cuda_graphs"] is True
-    assert cfg["auto_map"] == tiny.AUTO_MAP
+    assert cfg["auto_map"] == tiny._repo_modules()[0].AUTO_MAP_COMPOSITE
     for key, token in [
         ("image_token_id", "<|image_pad|>"),
         ("video_token_id", "<|video_pad|>"),

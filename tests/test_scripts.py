@@ -1,0 +1,50 @@
+"""The scripts run end to end on CPU at tiny sizes (no timing is asserted: speed lives in the benchmark output)."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from scripts import benchmark_latency, eval_quality, generate
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_benchmark_runs_on_cpu(tmp_path):
+    results = benchmark_latency.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "8,16",
+                                      "--repeats", "2", "--requests", "3", "--max-request-len", "40",
+                                      "--decode-batches", "1,2", "--new-tokens", "3", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    tiny = saved["models"]["tiny"]
+    assert set(tiny["forward"]) == {"stock", "fused"} and set(tiny["forward"]["fused"]) == {"8", "16"}
+    assert tiny["requests"]["fused"]["all"]["n"] == 3
+    assert set(tiny["decode"]) == {"1", "2"} and tiny["decode"]["2"]["fused"]["ms_per_token"] > 0
+    assert tiny["params"]["tied"] and tiny["params"]["weight_bytes"] > 0
+    assert (tmp_path / "latency.png").stat().st_size > 1000
+    md = (tmp_path / "results.md").read_text()
+    assert "| tiny | 16 |" in md and results["meta"]["command"].startswith("python scripts/benchmark_latency.py")
+
+
+def test_benchmark_weight_accounting_counts_shared_storage_once():
+    stock, fused = benchmark_latency.build_pair("tiny", None, torch.device("cpu"), torch.float32)
+    assert benchmark_latency.param_counts(fused) == benchmark_latency.param_counts(stock)
+
+
+def test_eval_quality_on_shipped_model_cpu(tmp_path):
+    results = eval_quality.main(["--model", str(REPO), "--shapes", "tiny", "--device", "cpu", "--dtype", "float32",
+                                 "--max-windows", "2", "--window", "64", "--new-tokens", "6", "--out", str(tmp_path)])
+    shipped, tiny = results["models"]
+    # On CPU the fused classes run stock's code: exact agreement is the only right answer.
+    for r in (shipped, tiny):
+        assert r["rel_logit_err"] == 0.0 and r["top1_agreement"] == 1.0
+        assert r["greedy"]["first_divergence"] is None
+    assert shipped["nll_per_token"]["stock"] == shipped["nll_per_token"]["fused"] < 8
+    assert tiny["nll_per_token"] is None
+    assert "| random tiny |" in (tmp_path / "quality.md").read_text()
+
+
+def test_generate_main_on_shipped_model(capsys):
+    result = generate.main(["--max-new-tokens", "5", "--device", "cpu"])
+    assert result["new_tokens"] == 5
+    out = capsys.readouterr().out
+    assert "paths:" in out and "stock" in out
