@@ -48,3 +48,23 @@ def test_generate_main_on_shipped_model(capsys):
     assert result["new_tokens"] == 5
     out = capsys.readouterr().out
     assert "paths:" in out and "stock" in out
+
+
+def test_pipeline_text_generation_with_remote_code():
+    """`pipeline("text-generation", model=repo, trust_remote_code=True)` builds the fused class and generates what
+    stock generates (CPU: through the stock fallback)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    from helpers import generate_stock
+
+    pipe = pipeline("text-generation", model=str(REPO), trust_remote_code=True, dtype=torch.float32)
+    assert type(pipe.model).__name__ == "Qwen3_5FusedForCausalLM"
+    text = pipe("Return a new list", max_new_tokens=8, do_sample=False, return_full_text=False)[0]["generated_text"]
+    tok = AutoTokenizer.from_pretrained(REPO)
+    stock = AutoModelForCausalLM.from_pretrained(REPO, dtype=torch.float32).eval()
+    ids = tok("Return a new list", return_tensors="pt")
+    with torch.no_grad():
+        ref = generate_stock(stock, **ids, max_new_tokens=8, do_sample=False)
+    assert text == tok.decode(ref[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    chat = pipe([{"role": "user", "content": "What does len() return?"}], max_new_tokens=4, do_sample=False)
+    assert chat[0]["generated_text"][-1]["role"] == "assistant"
