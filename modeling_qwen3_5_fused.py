@@ -276,7 +276,9 @@ class FusedAttention(_FusedModule, Qwen3_5Attention):
             self.head_dim,
         )
         if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
+            # stock 5.2x hands the call's kwargs to the cache layer (stock 5.17 passes none)
+            extra = {"kwargs": kwargs} if _ATTENTION_CACHE_KW == "cache" else {}
+            key, value = cache.update(key, value, self.layer_idx, **extra)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )

@@ -1,0 +1,589 @@
+"""Tests of the Gated DeltaNet decode-step ops in `fused_ops.py` (`causal_conv1d_step`, `gated_delta_rule_step`)
+against the stock transformers Qwen3.5 code, and against each op's `_ref`.
+
+Stock code: `causal_conv1d_update` and `torch_recurrent_gated_delta_rule` of `modeling_qwen3_5`, taken through
+`inspect.unwrap` because with fla installed transformers routes those names to fla's kernels; the gate and beta are
+computed as stock `Qwen3_5GatedDeltaNet.forward` does, and q / k are repeated over the value heads before the stock
+call as transformers 5.17 does in `forward` (5.24 does it inside the function, a no-op once repeated).
+
+Every check runs STEPS consecutive decode steps, feeding each op's own state back, and compares after every step;
+inputs are strided column slices of wider buffers (as the model will pass them) and the state must keep its address.
+
+CPU tests run the kernels under the Triton interpreter (`TRITON_INTERPRET=1`, set in conftest.py) on tiny shapes;
+the `@pytest.mark.cuda` tests run the real Qwen3.5 shapes, CUDA-graph capture and allocation counts:
+`python -m pytest tests/test_decode_ops.py -m cuda`.
+
+Error bounds (relative, `rel_err` below), and why:
+- fp32 <= 1e-6, for outputs and for the recurrent state (fp32 whatever the input dtype): the kernels sum in another
+  order than torch and, on the GPU, use approximate exp / log / rsqrt / division; that moves results by a few fp32
+  units in the last place (~1e-7), and the gated delta rule does not amplify it over steps (the decay is <= 1 and,
+  with an L2-normalised k and beta in [0, 1], the update `S (I - beta k k^T)` is a contraction).
+- bf16 <= 1e-2, fp16 <= 1e-3 for outputs: the kernels round to the dtype exactly where stock rounds, so the only
+  differences are the fp32 wobbles above flipping a rounding decision now and then, which changes an element by one
+  unit in the last place: at most 2^-7 (bf16) or 2^-10 (fp16) of its value. The bounds would allow every element to
+  be one unit off; measured on CPU: conv 0, delta rule up to 1.2e-5 (bf16) and 5.1e-5 (fp16) (fp32 at most 3.4e-7,
+  the state 1.7e-7). Where the conv weight is narrower than x, its dtype's bound applies (stock rounds to it).
+- The conv state is a pure copy of rounded inputs: bit-exact.
+"""
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fused_ops
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+REPO = Path(__file__).resolve().parents[1]
+STOCK_CONV_UPDATE = inspect.unwrap(modeling_qwen3_5.causal_conv1d_update)
+STOCK_RECURRENT_GDR = inspect.unwrap(modeling_qwen3_5.torch_recurrent_gated_delta_rule)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+BOUND = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+STEPS = 5
+# columns of padding on each side of the strided input slices
+PAD = 8
+
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _needs_triton_no_tf32():
+    """Skip without triton; run stock fp32 convolutions in true fp32 (cuDNN may otherwise pick TF32)."""
+    if not fused_ops.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in float64."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, bound: float | None = None) -> None:
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    assert not got.isnan().any(), f"{name}: NaN in the output (an element was never written?)"
+    bound = BOUND[want.dtype] if bound is None else bound
+    err = rel_err(got, want)
+    assert err <= bound, f"{name}: rel_err {err:.3g} > {bound:g} ({want.dtype})"
+
+
+def assert_exact(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, f"{name}: {got.shape} {got.dtype} vs {want.shape}"
+    assert torch.equal(got, want), f"{name}: not bit-exact, max abs diff {(got.double() - want.double()).abs().max()}"
+
+
+def column_slice(B: int, N: int, dtype, device, gen) -> torch.Tensor:
+    """Standard-normal [B, N] as columns [PAD, PAD + N) of a [B, N + 2 * PAD] buffer (row stride N + 2 * PAD)."""
+    buf = torch.randn(B, N + 2 * PAD, generator=gen).to(device=device, dtype=dtype)
+    return buf[:, PAD : PAD + N]
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Stock steps
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def stock_conv_step(x, conv_state, weight, bias):
+    """Stock single-token conv update: x [B, D] -> [B, D]; conv_state [B, D, W] updated in place."""
+    return STOCK_CONV_UPDATE(x[:, :, None], conv_state, weight, bias, "silu")[:, :, 0]
+
+
+def stock_gdr_step(q, k, v, a, b, A_log, dt_bias, state):
+    """Stock gate, beta and recurrent gated delta rule at T=1: returns (o [B, HV, V], new state)."""
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    group = v.shape[1] // q.shape[1]
+    q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+    o, new_state = STOCK_RECURRENT_GDR(
+        q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None], initial_state=state,
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    return o[:, 0], new_state
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared checks (CPU and CUDA tests call the same ones with different sizes)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def conv_params(device, dtype, D, W, bias, weight_dtype, gen):
+    weight = (torch.randn(D, W, generator=gen) * 0.5).to(device=device, dtype=weight_dtype or dtype)
+    b = (torch.randn(D, generator=gen) * 0.1).to(device=device, dtype=weight_dtype or dtype) if bias else None
+    return weight, b
+
+
+def check_conv_step(device, dtype, B, D, W=4, bias=False, weight_dtype=None, state_dtype=None, use_out=False):
+    gen = torch.Generator().manual_seed(0)
+    weight, b = conv_params(device, dtype, D, W, bias, weight_dtype, gen)
+    state = torch.randn(B, D, W, generator=gen).to(device=device, dtype=state_dtype or dtype)
+    state_stock, state_ref = state.clone(), state.clone()
+    ptr = state.data_ptr()
+    out = torch.empty(B, 2 * D, dtype=dtype, device=device)[:, D:] if use_out else None  # strided out
+
+    for step in range(STEPS):
+        x = column_slice(B, D, dtype, device, gen)
+        if out is not None:
+            out.fill_(float("nan"))
+        y = fused_ops.causal_conv1d_step(x, state, weight, b, out=out)
+        y_stock = stock_conv_step(x, state_stock, weight, b)
+        y_ref = fused_ops.causal_conv1d_step_ref(x, state_ref, weight, b)
+
+        at = f"step {step}"
+        assert state.data_ptr() == ptr, f"{at}: conv_state was not updated in place"
+        if out is not None:
+            assert y is out, f"{at}: out= was not returned"
+        else:
+            assert y.is_contiguous()
+        assert_exact(f"{at}: conv_state vs stock", state, state_stock)
+        assert_exact(f"{at}: conv_state vs ref", state, state_ref)
+        # stock rounds the conv output and the SiLU to the weight dtype: a narrower weight sets the bound
+        bound = max(BOUND[dtype], BOUND[weight.dtype])
+        assert_close(f"{at}: y vs stock causal_conv1d_update", y, y_stock, bound)
+        assert_close(f"{at}: y vs causal_conv1d_step_ref", y, y_ref, bound)
+
+
+def gdr_params(device, dtype, HV, gen):
+    """A_log and dt_bias as stock initialises them (A uniform in [0.01, 16]), dt_bias spread to cover softplus."""
+    A_log = torch.empty(HV).uniform_(0.01, 16, generator=gen).log().to(device=device, dtype=dtype)
+    dt_bias = (1.0 + torch.randn(HV, generator=gen)).to(device=device, dtype=dtype)
+    return A_log, dt_bias
+
+
+def gdr_inputs(device, dtype, B, H, HV, K, V, gen, a_transposed=False):
+    """q, k, v as [B, heads, dim] views of one strided [B, 2*H*K + HV*V] row (the conv output layout), and a, b as
+    column slices of one [B, 2*HV] projection row (or, with `a_transposed`, a as a transposed [HV, B] tensor)."""
+    qkv = column_slice(B, 2 * H * K + HV * V, dtype, device, gen)
+    q = qkv[:, : H * K].unflatten(1, (H, K))
+    k = qkv[:, H * K : 2 * H * K].unflatten(1, (H, K))
+    v = qkv[:, 2 * H * K :].unflatten(1, (HV, V))
+    ab = column_slice(B, 2 * HV, dtype, device, gen) * 2.0
+    a, b = ab[:, :HV], ab[:, HV:]
+    if a_transposed:
+        a = (torch.randn(HV, B, generator=gen) * 2.0).to(device=device, dtype=dtype).t()
+    return q, k, v, a, b
+
+
+def check_gdr_step(device, dtype, B, H, HV, K, V, use_out=False, strided_state=False, a_transposed=False):
+    gen = torch.Generator().manual_seed(0)
+    A_log, dt_bias = gdr_params(device, dtype, HV, gen)
+    if strided_state:  # [B, HV, K, V] inside a [B, HV, K, V + 8] buffer
+        state = torch.empty(B, HV, K, V + 8, device=device)[..., :V]
+        state.copy_(torch.randn(B, HV, K, V, generator=gen) * 0.1)
+    else:
+        state = (torch.randn(B, HV, K, V, generator=gen) * 0.1).to(device)
+    state_stock, state_ref = state.clone(), state.clone()
+    ptr = state.data_ptr()
+    out = torch.empty(B, HV, 2 * V, dtype=dtype, device=device)[..., V:] if use_out else None  # strided out
+
+    for step in range(STEPS):
+        q, k, v, a, b = gdr_inputs(device, dtype, B, H, HV, K, V, gen, a_transposed)
+        if out is not None:
+            out.fill_(float("nan"))
+        o = fused_ops.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state, out=out)
+        o_stock, state_stock = stock_gdr_step(q, k, v, a, b, A_log, dt_bias, state_stock)
+        o_ref = fused_ops.gated_delta_rule_step_ref(q, k, v, a, b, A_log, dt_bias, state_ref)
+
+        at = f"step {step}"
+        assert state.data_ptr() == ptr, f"{at}: state was not updated in place"
+        if out is not None:
+            assert o is out, f"{at}: out= was not returned"
+        else:
+            assert o.is_contiguous()
+        assert_close(f"{at}: state vs stock", state, state_stock)
+        assert_close(f"{at}: state vs ref", state, state_ref)
+        assert_close(f"{at}: o vs stock torch_recurrent_gated_delta_rule", o, o_stock.to(dtype))
+        assert_close(f"{at}: o vs gated_delta_rule_step_ref", o, o_ref)
+
+
+def check_decode_chain(device, dtype, B, H, HV, K, V, W=4, steps=STEPS, graph=False):
+    """The two ops wired as the model will: conv on a column slice of the projection output, q / k / v as views of
+    the conv output, a / b as column slices, all outputs through `out=`. With `graph`, the steps replay a CUDA graph
+    captured once over fixed buffers whose contents each step overwrites. Compared with stock after every step."""
+    gen = torch.Generator().manual_seed(0)
+    D = 2 * H * K + HV * V
+    weight, _ = conv_params(device, dtype, D, W, False, None, gen)
+    A_log, dt_bias = gdr_params(device, dtype, HV, gen)
+    conv_state = torch.randn(B, D, W, generator=gen).to(device=device, dtype=dtype)
+    state = (torch.randn(B, HV, K, V, generator=gen) * 0.1).to(device)
+    conv_state_stock, state_stock = conv_state.clone(), state.clone()
+
+    proj = torch.zeros(B, D + 2 * HV + PAD, dtype=dtype, device=device)  # stands for the fused in-projection row
+    x, a, b = proj[:, :D], proj[:, D : D + HV], proj[:, D + HV : D + 2 * HV]
+    y = torch.empty(B, D, dtype=dtype, device=device)
+    q = y[:, : H * K].unflatten(1, (H, K))
+    k = y[:, H * K : 2 * H * K].unflatten(1, (H, K))
+    v = y[:, 2 * H * K :].unflatten(1, (HV, V))
+    o = torch.empty(B, HV, V, dtype=dtype, device=device)
+
+    def step():
+        fused_ops.causal_conv1d_step(x, conv_state, weight, out=y)
+        fused_ops.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state, out=o)
+
+    if graph:
+        saved = conv_state.clone(), state.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile and warm up outside the capture
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        conv_state.copy_(saved[0])
+        state.copy_(saved[1])
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            step()
+
+    for i in range(steps):
+        proj.copy_(torch.randn(B, proj.shape[1], generator=gen).to(device=device, dtype=dtype))
+        cuda_graph.replay() if graph else step()
+        y_stock = stock_conv_step(x, conv_state_stock, weight, None)
+        # stock's delta rule reads our conv output (the q / k / v views), so that a rounding flip in the conv output
+        # (see the bounds above) does not show up as an fp32-sized state difference
+        o_stock, state_stock = stock_gdr_step(q, k, v, a, b, A_log, dt_bias, state_stock)
+
+        at = f"step {i}"
+        assert_exact(f"{at}: conv_state vs stock", conv_state, conv_state_stock)
+        assert_close(f"{at}: conv out vs stock", y, y_stock)
+        assert_close(f"{at}: state vs stock", state, state_stock)
+        assert_close(f"{at}: o vs stock", o, o_stock)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU tests (interpreter): tiny shapes, odd sizes
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    "B, D, W, bias, use_out",
+    [(1, 40, 4, False, False), (3, 300, 4, True, True), (2, 24, 3, False, False)],
+    ids=["B1-D40-W4", "B3-D300-W4-bias-out", "B2-D24-W3"],
+)
+def test_causal_conv1d_step_cpu(dtype, B, D, W, bias, use_out):
+    check_conv_step("cpu", dtype, B, D, W, bias=bias, use_out=use_out)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "dtype, weight_dtype, state_dtype",
+    [
+        (torch.bfloat16, torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16, torch.float32),
+        (torch.float32, torch.float16, torch.float32),
+    ],
+    ids=["x-bf16-w-fp32", "x-bf16-state-fp32", "x-fp32-w-fp16"],
+)
+def test_causal_conv1d_step_mixed_dtypes_cpu(dtype, weight_dtype, state_dtype):
+    check_conv_step("cpu", dtype, 2, 40, bias=True, weight_dtype=weight_dtype, state_dtype=state_dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    "B, H, HV, K, V",
+    [(1, 2, 2, 32, 32), (2, 1, 2, 32, 32), (2, 1, 3, 24, 48)],
+    ids=["B1-H2-HV2-K32-V32", "B2-H1-HV2-K32-V32", "B2-H1-HV3-K24-V48"],
+)
+def test_gated_delta_rule_step_cpu(dtype, B, H, HV, K, V):
+    check_gdr_step("cpu", dtype, B, H, HV, K, V)
+
+
+@needs_interpreter
+def test_gated_delta_rule_step_strided_state_and_out_cpu():
+    """A state with a row stride past V, a transposed `a`, and a strided `out=`."""
+    check_gdr_step("cpu", torch.bfloat16, 2, 1, 2, 16, 32, use_out=True, strided_state=True, a_transposed=True)
+
+
+@needs_interpreter
+def test_gated_delta_rule_step_scale_cpu():
+    """A non-default scale (stock has none to compare with: checked against the ref)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, a, b = gdr_inputs("cpu", torch.float32, 1, 1, 2, 16, 16, gen)
+    A_log, dt_bias = gdr_params("cpu", torch.float32, 2, gen)
+    state = torch.randn(1, 2, 16, 16, generator=gen)
+    state_ref = state.clone()
+    o = fused_ops.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state, scale=0.3)
+    o_ref = fused_ops.gated_delta_rule_step_ref(q, k, v, a, b, A_log, dt_bias, state_ref, scale=0.3)
+    assert_close("state vs ref", state, state_ref)
+    assert_close("o vs ref", o, o_ref)
+
+
+@needs_interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy exp, on purpose
+def test_gated_delta_rule_step_extreme_gates_cpu():
+    """softplus past its threshold (a + dt_bias > 20), far below zero (exp underflow), and saturated beta."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, _, _ = gdr_inputs("cpu", torch.float32, 1, 1, 4, 16, 16, gen)
+    a = torch.tensor([[30.0, -40.0, 0.5, -3.0]])
+    b = torch.tensor([[90.0, -90.0, 0.0, 1.0]])
+    A_log = torch.tensor([-4.0, 2.0, 0.0, 1.0])
+    dt_bias = torch.zeros(4)
+    state = torch.randn(1, 4, 16, 16, generator=gen)
+    state_stock = state.clone()
+    o = fused_ops.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state)
+    o_stock, state_stock = stock_gdr_step(q, k, v, a, b, A_log, dt_bias, state_stock)
+    assert_close("state vs stock", state, state_stock)
+    assert_close("o vs stock", o, o_stock)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_decode_chain_cpu(dtype):
+    check_decode_chain("cpu", dtype, 2, 1, 2, 16, 16, steps=3)
+
+
+@needs_interpreter
+def test_out_is_filled_and_returned_cpu():
+    """With `out=`, the ops return that very tensor, fully written, and keep every other tensor where it was."""
+    gen = torch.Generator().manual_seed(0)
+    x = column_slice(2, 40, torch.bfloat16, "cpu", gen)
+    conv_state = torch.randn(2, 40, 4, generator=gen).bfloat16()
+    weight = torch.randn(40, 4, generator=gen).bfloat16()
+    y = nan_like(x.contiguous())
+    ptrs = y.data_ptr(), conv_state.data_ptr()
+    assert fused_ops.causal_conv1d_step(x, conv_state, weight, out=y) is y
+    assert (y.data_ptr(), conv_state.data_ptr()) == ptrs and not y.isnan().any()
+
+    q, k, v, a, b = gdr_inputs("cpu", torch.float16, 2, 1, 2, 16, 16, gen)
+    A_log, dt_bias = gdr_params("cpu", torch.float16, 2, gen)
+    state = torch.randn(2, 2, 16, 16, generator=gen)
+    o = torch.full((2, 2, 16), float("nan"), dtype=torch.float16)
+    ptrs = o.data_ptr(), state.data_ptr()
+    assert fused_ops.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state, out=o) is o
+    assert (o.data_ptr(), state.data_ptr()) == ptrs and not o.isnan().any()
+
+
+@needs_interpreter
+def test_empty_batch_cpu():
+    assert fused_ops.causal_conv1d_step(torch.randn(0, 8), torch.randn(0, 8, 4), torch.randn(8, 4)).shape == (0, 8)
+    q = torch.randn(0, 1, 8)
+    o = fused_ops.gated_delta_rule_step(
+        q, q, torch.randn(0, 2, 8), torch.randn(0, 2), torch.randn(0, 2), torch.zeros(2), torch.zeros(2),
+        torch.randn(0, 2, 8, 8),
+    )
+    assert o.shape == (0, 2, 8)
+
+
+def _conv(x=(2, 16), state=(2, 16, 4), weight=(16, 4), bias=None, out=None, dtype=torch.float32, state_dtype=None):
+    return fused_ops.causal_conv1d_step(
+        torch.randn(x, dtype=dtype), torch.randn(state).to(state_dtype or dtype), torch.randn(weight),
+        None if bias is None else torch.randn(bias), out=out,
+    )
+
+
+def _gdr(B=2, H=1, HV=2, K=8, V=8, a=None, A_log=None, state=None, out=None, dtype=torch.float32, v_dtype=None):
+    return fused_ops.gated_delta_rule_step(
+        torch.randn(B, H, K, dtype=dtype), torch.randn(B, H, K, dtype=dtype),
+        torch.randn(B, HV, V, dtype=v_dtype or dtype),
+        torch.randn(a or (B, HV)), torch.randn(B, HV), torch.zeros(A_log or HV), torch.zeros(HV),
+        state if state is not None else torch.randn(B, HV, K, V), out=out,
+    )
+
+
+BAD_INPUTS = {
+    "conv-x-3d": (lambda: _conv(x=(2, 16, 1)), r"x must be \[B, D\], got shape \(2, 16, 1\)"),
+    "conv-x-fp64": (lambda: _conv(dtype=torch.float64), "x must be float32, bfloat16 or float16, got torch.float64"),
+    "conv-state-shape": (
+        lambda: _conv(state=(2, 15, 4)), r"conv_state must be \[B, D, W\] = \[2, 16, W\].*\(2, 15, 4\)"
+    ),
+    "conv-state-int": (lambda: _conv(state_dtype=torch.int32), "conv_state must be float32.*torch.int32"),
+    "conv-weight-W": (lambda: _conv(weight=(16, 3)), r"weight must be \[D, W\] = \(16, 4\).*got \(16, 3\)"),
+    "conv-bias-shape": (lambda: _conv(bias=(15,)), r"bias must have shape \(16,\), got \(15,\)"),
+    "conv-out-dtype": (
+        lambda: _conv(out=torch.empty(2, 16, dtype=torch.float16)),
+        r"out must be \[B, D\] = \(2, 16\) in x's dtype torch.float32, got \(2, 16\) torch.float16",
+    ),
+    "conv-x-strided-last-dim": (
+        lambda: fused_ops.causal_conv1d_step(torch.randn(16, 2).t(), torch.randn(2, 16, 4), torch.randn(16, 4)),
+        "x must have a contiguous last dim",
+    ),
+    "gdr-k-shape": (
+        lambda: fused_ops.gated_delta_rule_step(
+            torch.randn(2, 1, 8), torch.randn(2, 1, 9), torch.randn(2, 2, 8), torch.randn(2, 2), torch.randn(2, 2),
+            torch.zeros(2), torch.zeros(2), torch.randn(2, 2, 8, 8),
+        ),
+        r"q and k must both be \[B, H, K\], got \(2, 1, 8\) and \(2, 1, 9\)",
+    ),
+    "gdr-HV-not-multiple": (lambda: _gdr(H=2, HV=3), r"HV a multiple of H = 2.*got \(2, 3, 8\)"),
+    "gdr-K-too-large": (lambda: _gdr(K=512, state=torch.empty(0)), r"K must be in \[1, 256\].*K=512"),
+    "gdr-v-dtype": (
+        lambda: _gdr(v_dtype=torch.float16),
+        "q, k, v must have one dtype, got torch.float32, torch.float32, torch.float16",
+    ),
+    "gdr-a-shape": (lambda: _gdr(a=(2, 3)), r"a must be \[B, HV\] = \(2, 2\).*got \(2, 3\)"),
+    "gdr-A_log-shape": (lambda: _gdr(A_log=3), r"A_log must have shape \(2,\).*got \(3,\)"),
+    "gdr-state-bf16": (
+        lambda: _gdr(state=torch.randn(2, 2, 8, 8, dtype=torch.bfloat16)),
+        r"state must be \[B, HV, K, V\] = \(2, 2, 8, 8\) float32, got \(2, 2, 8, 8\) torch.bfloat16",
+    ),
+    "gdr-state-shape": (lambda: _gdr(state=torch.randn(2, 2, 8, 7)), r"state must be .* got \(2, 2, 8, 7\)"),
+    "gdr-state-strided-last-dim": (
+        lambda: _gdr(state=torch.randn(2, 2, 8, 8).transpose(2, 3)), "state must have a contiguous last dim"
+    ),
+    "gdr-out-shape": (
+        lambda: _gdr(out=torch.empty(2, 2, 7)), r"out must be \[B, HV, V\] = \(2, 2, 8\) in q's dtype.*\(2, 2, 7\)"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_rejects_bad_inputs(case):
+    call, match = BAD_INPUTS[case]
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# The kernels as they will be compiled on the H200 (sm_90): every pointer 16-byte aligned and every stride but the
+# unit ones divisible by 16, as Triton's launcher specialises them for the real shapes.
+_COMPILE_SM90 = r"""
+import os, sys
+sys.modules["fla"] = None  # not needed here; saves fla's ~10 s import
+sys.path.insert(0, {repo!r})
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import fused_ops
+
+def compile_(fn, types, constexprs, num_warps):
+    signature = {{n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}}
+    attrs = {{(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in constexprs and (signature[n].startswith("*") or n.startswith("stride"))}}
+    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={{"num_warps": num_warps}})
+    assert kernel.asm["cubin"], fn.__name__
+    print(fn.__name__, "ok")
+
+compile_(fused_ops._causal_conv1d_step_kernel,
+         dict(x_ptr="*bf16", s_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", y_ptr="*bf16"),
+         dict(W=4, HAS_BIAS=False, BLOCK_D=256, BLOCK_W=4), 4)
+compile_(fused_ops._gated_delta_rule_step_kernel,
+         dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", A_log_ptr="*fp32",
+              dt_bias_ptr="*fp32", s_ptr="*fp32", o_ptr="*bf16", scale="fp32", eps="fp32"),
+         dict(GROUP=2, K=128, V=128, BLOCK_K=128, BLOCK_V=32), 4)
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter runs kernels that the GPU compiler may reject; compile the real-shape variants for sm_90
+    (no GPU needed: Triton's bundled ptxas) in a subprocess without TRITON_INTERPRET."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's notice; fusion is every version's default
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SM90.format(repo=str(REPO))], capture_output=True, text=True, timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count(" ok") == 2, proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CUDA tests: real Qwen3.5 shapes (linear k heads 16, value heads 16 / 32 / 48, K = V = 128, conv kernel 4)
+# ---------------------------------------------------------------------------------------------------------------------
+
+B_CUDA = [1, 3, 8]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("B", B_CUDA, ids=lambda b: f"B{b}")
+@pytest.mark.parametrize("HV", [16, 32, 48], ids=lambda hv: f"D{4096 + 128 * hv}")
+def test_causal_conv1d_step_cuda(dtype, B, HV):
+    check_conv_step("cuda", dtype, B, 2 * 16 * 128 + HV * 128, use_out=B == 3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_causal_conv1d_step_mixed_dtypes_cuda(dtype):
+    check_conv_step("cuda", dtype, 3, 8192, bias=True, weight_dtype=torch.float32)
+    check_conv_step("cuda", dtype, 3, 8192, state_dtype=torch.float32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("B", B_CUDA, ids=lambda b: f"B{b}")
+@pytest.mark.parametrize(
+    "H, HV, K, V",
+    [(16, 16, 128, 128), (16, 32, 128, 128), (16, 48, 128, 128), (4, 12, 32, 32)],
+    ids=["H16-HV16", "H16-HV32", "H16-HV48", "H4-HV12-K32"],
+)
+def test_gated_delta_rule_step_cuda(dtype, B, H, HV, K, V):
+    check_gdr_step("cuda", dtype, B, H, HV, K, V, use_out=B == 3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gated_delta_rule_step_strided_cuda(dtype):
+    check_gdr_step("cuda", dtype, 3, 16, 32, 128, 128, use_out=True, strided_state=True, a_transposed=True)
+
+
+@pytest.mark.cuda
+def test_batch_64_cuda():
+    check_conv_step("cuda", torch.bfloat16, 64, 8192)
+    check_gdr_step("cuda", torch.bfloat16, 64, 16, 32, 128, 128)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("B", B_CUDA, ids=lambda b: f"B{b}")
+def test_decode_chain_cuda_graph(dtype, B):
+    """Both ops captured once in a CUDA graph (4B shapes) and replayed for STEPS steps on new inputs."""
+    check_decode_chain("cuda", dtype, B, 16, 32, 128, 128, graph=True)
+
+
+@pytest.mark.cuda
+def test_allocations_cuda():
+    """With `out=` the ops allocate nothing; without, exactly their output. No host sync either: each call must
+    return while a long kernel queued before it is still running."""
+    gen = torch.Generator().manual_seed(0)
+    B, H, HV, K, V, D = 3, 16, 32, 128, 128, 8192
+    x = column_slice(B, D, torch.bfloat16, "cuda", gen)
+    conv_state = torch.randn(B, D, 4, device="cuda", dtype=torch.bfloat16)
+    weight, _ = conv_params("cuda", torch.bfloat16, D, 4, False, None, gen)
+    y = torch.empty(B, D, device="cuda", dtype=torch.bfloat16)
+    q, k, v, a, b = gdr_inputs("cuda", torch.bfloat16, B, H, HV, K, V, gen)
+    A_log, dt_bias = gdr_params("cuda", torch.bfloat16, HV, gen)
+    state = torch.randn(B, HV, K, V, device="cuda") * 0.1
+    o = torch.empty(B, HV, V, device="cuda", dtype=torch.bfloat16)
+
+    def conv(out):
+        return fused_ops.causal_conv1d_step(x, conv_state, weight, out=out)
+
+    def gdr(out):
+        return fused_ops.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state, out=out)
+
+    def allocations():
+        return torch.cuda.memory_stats()["allocation.all.allocated"]
+
+    for call, out in ((conv, y), (gdr, o)):
+        call(out)  # compile
+        torch.cuda.synchronize()
+        before = allocations()
+        assert call(out) is out
+        assert allocations() == before, f"{call.__name__}(out=...) allocated"
+        result = call(None)
+        assert allocations() == before + 1, f"{call.__name__}() allocated more than its output"
+        del result
+
+        torch.cuda._sleep(200_000_000)  # keeps the GPU busy for ~0.1 s
+        call(out)
+        assert not torch.cuda.current_stream().query(), f"{call.__name__} waited for the GPU (host sync)"
+        torch.cuda.synchronize()
