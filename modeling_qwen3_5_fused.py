@@ -133,11 +133,12 @@ def _pop_cache(kwargs: dict):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def pack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Pack the weights (and biases) of ``linears`` into one ``[sum(out), in]`` matrix; each Linear keeps a view.
 
     Already-packed groups are returned as they are, so calling this again (after ``.to()``, a load, ...) is cheap.
-    Returns ``(weight, bias)``; ``bias`` is None when the Linears have none.
+    Returns ``(weight, bias)`` (``bias`` None when the Linears have none), or None while the weights are on the meta
+    device (not materialised yet: `from_pretrained` packs after loading).
     """
     weights = [lin.weight for lin in linears]
     has_bias = linears[0].bias is not None
@@ -195,7 +196,20 @@ class _FusedModule:
             pack_linears([getattr(self, name) for name in group])
 
     def _packed_weight(self, first: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return getattr(self, first)._packed
+        """The packed matrix of the group that starts with Linear ``first``, packed again if its parameters were
+        replaced since (``load_state_dict(..., assign=True)``, ``copy.deepcopy``, a parameter set by hand), so the
+        fused GEMM never reads a stale copy. The check is two pointer reads."""
+        group = next(g for g in self._fused_groups if g[0] == first)
+        head, tail = getattr(self, group[0]), getattr(self, group[-1])
+        packed = getattr(head, "_packed", None)
+        if (
+            packed is None
+            or head.weight.data_ptr() != packed[0].data_ptr()
+            or tail.weight.data_ptr() + tail.weight.nbytes != packed[0].data_ptr() + packed[0].nbytes
+            or getattr(tail, "_packed", None) is not packed
+        ):
+            packed = pack_linears([getattr(self, name) for name in group])
+        return packed
 
     def _apply(self, fn, recurse=True):
         # .to() / .half() / .cuda() give every parameter a new storage; pack again so the views are restored.

@@ -125,6 +125,25 @@ def test_packed_weights_follow_in_place_updates():
     assert torch.equal(packed_w[mlp.gate_proj.weight.shape[0]:], mlp.up_proj.weight)
 
 
+def test_assign_load_and_deepcopy_keep_packing():
+    import copy
+
+    """Replacing parameters (assign-load, deepcopy) must never leave the fused GEMM reading a stale packed matrix."""
+    stock, fused = stock_and_fused_lm()
+    new = {k: torch.randn_like(v) for k, v in stock.state_dict().items()}
+    fused.load_state_dict(new, assign=True)
+    for model in (fused, copy.deepcopy(fused)):
+        for i, layer in enumerate(model.model.layers):
+            for owner_name, names in GROUPS.items():
+                owner = getattr(layer, owner_name, None)
+                if owner is None:
+                    continue
+                packed_w, _ = owner._packed_weight(names[0])
+                rows = [new[f"model.layers.{i}.{owner_name}.{n}.weight"] for n in names]
+                assert torch.equal(packed_w, torch.cat(rows))
+        _assert_packed(model)
+
+
 def test_save_pretrained_writes_stock_checkpoint(tmp_path):
     stock, fused = stock_and_fused_lm()
     fused.save_pretrained(tmp_path / "fused")
