@@ -88,12 +88,13 @@ ROUNDING_FACTOR = 2.0
 # Fused (trust_remote_code) vs stock class on the same weights, float32. On CPU the fused classes run the stock code,
 # so the logits are bit-identical (tests/test_hub_loading.py checks the same).
 FUSED_VS_STOCK_BOUND = {"cpu": 0.0}
-# On a GPU the fused kernels sum in another order: tests/test_model_cuda.py bounds fp32 fused vs stock logits by 2e-5
-# (measured on an H200 on 4-layer models; deeper models may drift further), with Triton's fp32 dots in true fp32.
-FUSED_VS_STOCK_BOUND_CUDA = 2e-5
-# Triton runs fp32 `tl.dot` in TF32 by default, and fla's chunked delta rule (stock and fused alike) amplifies a TF32
-# difference to ~1e-4; verification compares in fp32, so fp32 means fp32. Set before any kernel compiles.
-os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+# On a GPU the fused kernels sum in another order, and Triton runs fp32 `tl.dot` in TF32 by default, which fla's
+# chunked delta rule (stock and fused alike) amplifies: fp32 fused vs stock logits measured 8e-5 to 1.2e-4 on an H200
+# (4-layer models, 16:16 to 16:48 linear heads, T=129; PERFORMANCE.md). The bound is that measurement with a 4x margin
+# for deeper models. Not yet exercised on a GPU by this script. (With true fp32 dots, TRITON_F32_DEFAULT=ieee, the
+# CUDA model tests did not finish within a 10-minute call on the H200; cause not established. Not set here: it would
+# also leak into the importing process.)
+FUSED_VS_STOCK_BOUND_CUDA = 5e-4
 GREEDY_TOKENS = 8
 VERIFY_BATCH, VERIFY_SEQ_LEN, VERIFY_SEED = 2, 16, 0
 # Random verification ids are drawn below this id: Qwen tokenizers put their special tokens above 151k.
