@@ -1,12 +1,15 @@
 """Train the small Qwen3.5 that ships at the repo root (the "embedded default" checkpoint).
 
-Steps, all deterministic (fixed seeds, one CPU thread by default):
+Steps, all deterministic (fixed seeds, two CPU threads by default):
 
-1. corpus: ``data/train.txt`` / ``data/heldout.txt`` from ``scripts/make_corpus.py`` (built here when missing);
-2. tokenizer: byte-level BPE trained with the ``tokenizers`` library (vocab 4096, Qwen-style special tokens and a
-   ChatML chat template);
+1. corpus: ``data/train.txt`` / ``data/heldout.txt`` from ``scripts/make_corpus.py`` (built here when missing):
+   the source code of the Python standard library plus the ``pydoc`` help topics, one document after another, each
+   followed by the text ``<|endoftext|>``;
+2. tokenizer: byte-level BPE trained with the ``tokenizers`` library on the train documents (vocab 4096,
+   Qwen-style pre-tokenisation, so indentation runs become single tokens; Qwen-style special tokens and a ChatML
+   chat template);
 3. model: a stock ``transformers`` ``Qwen3_5ForCausalLM`` text backbone trained in fp32 on random 256-token
-   windows of the train split;
+   windows of the tokenised train split (``<|endoftext|>`` between documents, so the model learns to stop);
 4. export: a stock composite ``Qwen3_5ForConditionalGeneration`` (the layout of real Qwen3.5 checkpoints) holding
    the trained backbone as ``model.language_model.*`` and a tiny, randomly initialised (untrained) vision tower
    as ``model.visual.*``, saved with ``save_pretrained``; then the fused-repo keys are added to ``config.json``;
@@ -33,12 +36,18 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+# Sleep instead of spinning while an OpenMP worker waits for the others. On a shared box (other processes on the
+# same cores) spinning workers starve the descheduled one and a step can get 10x slower; numerics do not change.
+# Read once, when torch starts OpenMP, so it is set before the import.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
+EOS = "<|endoftext|>"  # document separator in data/*.txt, end-of-sequence and padding token
 SPECIAL_TOKENS = [
-    "<|endoftext|>",
+    EOS,
     "<|im_start|>",
     "<|im_end|>",
     "<|vision_start|>",
@@ -96,7 +105,9 @@ EVAL_PROCEDURE = (
     "has at least 2 tokens); run each window independently (no cache, no carried state) through the model in "
     "fp32, in batches of `batch_size` full windows; score every position except the first of each window "
     "(NLL of the true next token under log_softmax of the fp32 logits, summed in float64); report the mean NLL "
-    "per scored token and the fraction of scored tokens whose argmax prediction is the true token."
+    "per scored token and the fraction of scored tokens whose argmax prediction is the true token. Also reported, "
+    "from the same logits: the mean over scored positions of the largest softmax probability (how confident the "
+    "argmax is)."
 )
 
 
@@ -106,7 +117,7 @@ def heldout_nll(model, tokenizer, text: str, window: int = 256, batch_size: int 
 
     ``model`` is any causal LM returning ``.logits`` (e.g. the stock ``Qwen3_5ForCausalLM``); on CPU run it inside
     ``torch_linear_attention()``. Returns a dict with ``nll_per_token``, ``perplexity``, ``top1_accuracy``,
-    ``tokens_scored``, ``windows``, ``window``, ``tokens``.
+    ``tokens_scored``, ``windows``, ``window``, ``tokens`` and ``mean_top1_prob``.
     """
     if window < 2:
         raise ValueError(f"window must be at least 2, got {window}")
@@ -122,7 +133,7 @@ def heldout_nll(model, tokenizer, text: str, window: int = 256, batch_size: int 
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    nll_sum, correct, scored = 0.0, 0, 0
+    nll_sum, correct, scored, top1_prob_sum = 0.0, 0, 0, 0.0
     try:
         for batch in batches:
             batch = batch.to(device)
@@ -132,6 +143,7 @@ def heldout_nll(model, tokenizer, text: str, window: int = 256, batch_size: int 
             nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
             nll_sum += nll.double().sum().item()
             correct += (logits[:, :-1].argmax(-1) == target).sum().item()
+            top1_prob_sum += logp.max(-1).values.double().exp().sum().item()
             scored += target.numel()
     finally:
         model.train(was_training)
@@ -144,12 +156,35 @@ def heldout_nll(model, tokenizer, text: str, window: int = 256, batch_size: int 
         "windows": n_full + (1 if tail.numel() >= 2 else 0),
         "window": window,
         "tokens": ids.numel(),
+        "mean_top1_prob": top1_prob_sum / scored,
     }
 
 
 # --------------------------------------------------------------------------------------------------------------
 # tokenizer
 # --------------------------------------------------------------------------------------------------------------
+
+
+def split_documents(text: str) -> list[str]:
+    """The documents of a corpus file: ``make_corpus.py`` ends every document with ``<|endoftext|>``."""
+    docs = text.split(EOS)
+    if docs and docs[-1] == "":
+        docs.pop()
+    return docs
+
+
+def tokenize_corpus(tokenizer, text: str) -> list[int]:
+    """Token ids of a corpus file: each document's tokens, then the ``<|endoftext|>`` id.
+
+    Equal to tokenising the whole text at once (the tokenizer cuts its input at special tokens); done per document
+    so that the fast tokenizer can batch it.
+    """
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    ids: list[int] = []
+    for doc_ids in tokenizer(split_documents(text), add_special_tokens=False, verbose=False)["input_ids"]:
+        ids.extend(doc_ids)
+        ids.append(eos)
+    return ids
 
 
 def train_tokenizer(train_text: str, vocab_size: int, out_dir: Path):
@@ -178,8 +213,9 @@ def train_tokenizer(train_text: str, vocab_size: int, out_dir: Path):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    # one "sentence" per docstring keeps training independent of batching inside the trainer
-    tok.train_from_iterator(train_text.split("\n\n"), trainer=trainer)
+    # one "sentence" per document keeps training independent of batching inside the trainer; the end-of-text
+    # marker between documents is a special token, never part of a merge
+    tok.train_from_iterator(split_documents(train_text), trainer=trainer)
 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -337,7 +373,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=str(REPO), help="folder for the checkpoint + tokenizer (default: repo root)")
     ap.add_argument("--data-dir", default=str(REPO / "data"), help="folder with train.txt and heldout.txt")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--seed", type=int, default=0)
     # tokenizer
     ap.add_argument("--vocab-size", type=int, default=4096)
@@ -354,15 +390,18 @@ def parse_args(argv=None):
     ap.add_argument("--linear-value-heads", type=int, default=4)
     ap.add_argument("--linear-head-dim", type=int, default=32)
     # optimisation
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=1400)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
-    ap.add_argument("--warmup-steps", type=int, default=30)
+    ap.add_argument("--warmup-steps", type=int, default=50)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--max-train-seconds", type=float, default=2700.0,
+                    help="safety stop: end training after this much wall time even if --steps are not done (the "
+                    "report then says so; the run is only reproducible when it does not trigger)")
     ap.add_argument("--eval-window", type=int, default=256)
     return ap.parse_args(argv)
 
@@ -391,9 +430,10 @@ def main(argv=None):
     t0 = time.time()
     tokenizer = train_tokenizer(train_text, args.vocab_size, out)
     print(f"tokenizer: vocab {len(tokenizer)} trained in {time.time() - t0:.1f}s", flush=True)
-    train_ids = tokenizer(train_text, add_special_tokens=False, verbose=False)["input_ids"]
-    train_ids = torch.tensor(train_ids, dtype=torch.long)
-    print(f"train tokens: {train_ids.numel()} ({len(train_text) / train_ids.numel():.2f} chars/token)", flush=True)
+    train_ids = torch.tensor(tokenize_corpus(tokenizer, train_text), dtype=torch.long)
+    n_docs = int((train_ids == tokenizer.convert_tokens_to_ids(EOS)).sum())
+    print(f"train tokens: {train_ids.numel()} ({len(train_text) / train_ids.numel():.2f} chars/token, "
+          f"{n_docs} documents)", flush=True)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3_5ForCausalLM
 
@@ -415,7 +455,7 @@ def main(argv=None):
     max_start = train_ids.numel() - args.seq_len
 
     cpu_patch = torch_linear_attention() if device.type == "cpu" else contextlib.nullcontext()
-    log, loss_acc, n_acc, tokens_seen = [], 0.0, 0, 0
+    log, loss_acc, n_acc, tokens_seen, steps_done = [], 0.0, 0, 0, 0
     t_train = time.time()
     t_log = t_train
     with cpu_patch:
@@ -431,9 +471,11 @@ def main(argv=None):
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             opt.step()
             tokens_seen += batch.numel()
+            steps_done = step + 1
             loss_acc += loss.item()
             n_acc += 1
-            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            out_of_time = time.time() - t_train > args.max_train_seconds
+            if (step + 1) % args.log_every == 0 or step + 1 == args.steps or out_of_time:
                 now = time.time()
                 tps = n_acc * batch.numel() / (now - t_log)
                 mean = loss_acc / n_acc
@@ -444,6 +486,9 @@ def main(argv=None):
                 )
                 log.append({"step": step + 1, "loss": round(mean, 5), "tokens_per_s": round(tps, 1)})
                 loss_acc, n_acc, t_log = 0.0, 0, now
+            if out_of_time and step + 1 < args.steps:
+                print(f"safety stop: {args.max_train_seconds:.0f}s of training reached at step {step + 1}", flush=True)
+                break
         train_seconds = time.time() - t_train
         final_train_loss = log[-1]["loss"]
 
@@ -462,13 +507,16 @@ def main(argv=None):
     st = out / "model.safetensors"
     report = {
         "corpus": {
-            "source": "docstrings of the CPython standard library + pydoc_data/topics.py (Python Language "
-            "Reference help topics), extracted by scripts/make_corpus.py; see data/SOURCE.md",
+            "source": "source code (.py files, docstrings and comments in place) of the CPython standard library, "
+            "without test suites, generated files and files under another licence, + pydoc_data/topics.py (Python "
+            "Language Reference help topics) as prose; built by scripts/make_corpus.py; see data/SOURCE.md",
+            "document_separator": EOS,
             "license": "Python Software Foundation License Version 2 (PSF-2.0)",
             "python_version": platform.python_version(),
             "train_bytes": len(train_text.encode()),
             "heldout_bytes": len(heldout_text.encode()),
             "train_tokens": train_ids.numel(),
+            "train_documents": n_docs,
         },
         "tokenizer": {"type": "byte-level BPE (tokenizers)", "vocab_size": len(tokenizer),
                       "special_tokens": SPECIAL_TOKENS},
@@ -500,7 +548,9 @@ def main(argv=None):
             "device": args.device,
             "threads": args.threads,
             "dtype": "float32",
-            "steps": args.steps,
+            "steps": steps_done,
+            "steps_planned": args.steps,
+            "stopped_by_time_limit": steps_done < args.steps,
             "batch_size": args.batch_size,
             "seq_len": args.seq_len,
             "tokens_seen": tokens_seen,
