@@ -195,11 +195,11 @@ class _FusedModule:
         for group in self._fused_groups:
             pack_linears([getattr(self, name) for name in group])
 
-    def _packed_weight(self, first: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The packed matrix of the group that starts with Linear ``first``, packed again if its parameters were
-        replaced since (``load_state_dict(..., assign=True)``, ``copy.deepcopy``, a parameter set by hand), so the
-        fused GEMM never reads a stale copy. The check is two pointer reads."""
-        group = next(g for g in self._fused_groups if g[0] == first)
+    def _packed_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The packed matrix of this module's projection group (each fused module has one), packed again if its
+        parameters were replaced since (``load_state_dict(..., assign=True)``, ``copy.deepcopy``, a parameter set by
+        hand), so the fused GEMM never reads a stale copy. The check is two pointer reads."""
+        group = self._fused_groups[0]
         head, tail = getattr(self, group[0]), getattr(self, group[-1])
         packed = getattr(head, "_packed", None)
         if (
@@ -258,7 +258,7 @@ class FusedMLP(_FusedModule, Qwen3_5MLP):
 
     def forward(self, x):
         if self._fused_ok(x) and self.config.hidden_act in ("silu", "swish"):
-            w, _ = self._packed_weight("gate_proj")
+            w, _ = self._packed_weight()
             return self.down_proj(swiglu(F.linear(x, w)))
         return super().forward(x)
 
@@ -275,7 +275,7 @@ class FusedAttention(_FusedModule, Qwen3_5Attention):
             return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
         cache = _pop_cache(kwargs)
         batch, seq_len = hidden_states.shape[:2]
-        w, b = self._packed_weight("q_proj")
+        w, b = self._packed_weight()
         qkv = F.linear(hidden_states, w, b)
         cos, sin = position_embeddings
         query, key, value, gate = attn_prep(
@@ -330,7 +330,7 @@ class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
     def _fused_forward(self, hidden_states, cache, attention_mask):
         hidden_states = stock.apply_mask_to_padding_states(hidden_states, attention_mask)
         batch, seq_len, _ = hidden_states.shape
-        w, _ = self._packed_weight("in_proj_qkv")
+        w, _ = self._packed_weight()
         proj = F.linear(hidden_states, w)  # [B, T, conv_dim + value_dim + 2 * HV]
         mixed_qkv, z, b, a = torch.split(
             proj, [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1

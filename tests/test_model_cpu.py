@@ -138,7 +138,7 @@ def test_assign_load_and_deepcopy_keep_packing():
                 owner = getattr(layer, owner_name, None)
                 if owner is None:
                     continue
-                packed_w, _ = owner._packed_weight(names[0])
+                packed_w, _ = owner._packed_weight()
                 rows = [new[f"model.layers.{i}.{owner_name}.{n}.weight"] for n in names]
                 assert torch.equal(packed_w, torch.cat(rows))
         _assert_packed(model)
