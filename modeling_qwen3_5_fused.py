@@ -32,6 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModel
+from transformers.cache_utils import Cache
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.qwen3_5 import modeling_qwen3_5 as stock
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     ALL_ATTENTION_FUNCTIONS,
@@ -52,14 +56,17 @@ from .configuration_qwen3_5_fused import (
     Qwen3_5FusedConfig,
     Qwen3_5FusedTextConfig,
     check_switch,
+    env_switch,
     resolve_switch,
 )
 from .fused_ops import (
     HAS_FLA,
     attn_prep,
+    causal_conv1d_step,
     fla_causal_conv1d,
     fla_chunk_gated_delta_rule,
     fla_rms_norm_gated,
+    gated_delta_rule_step,
     kernels_available,
     rms_norm,
     sigmoid_gate_mul,
@@ -75,6 +82,13 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 _DELTANET_CACHE_KW = "cache" if "cache" in inspect.signature(Qwen3_5GatedDeltaNet.forward).parameters else "cache_params"
 _ATTENTION_CACHE_KW = "cache" if "cache" in inspect.signature(Qwen3_5Attention.forward).parameters else "past_key_values"
 _CACHE_KWS = ("cache", "cache_params", "past_key_values")
+# ... and the name under which `generate` and the model outputs carry it.
+_GENERATE_CACHE_KW = "cache" if "cache" in inspect.signature(Qwen3_5ForCausalLM.forward).parameters else "past_key_values"
+_OUTPUT_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+# Devices the fused path runs on. The tests widen it to "cpu" (with every kernel swapped for its torch reference) to
+# run the fused control flow, cache and `generate` plumbing in CI without a GPU.
+_FUSED_DEVICE_TYPES = ("cuda",)
 
 # Stock functions that transformers swaps for flash-linear-attention / causal-conv1d kernels at import when those
 # packages are installed, whatever the device of the tensors. On CPU we call their plain-torch versions instead.
@@ -224,7 +238,7 @@ class _FusedModule:
             return False
         reason = self._fused_unavailable
         if reason is None:
-            if x.device.type != "cuda":
+            if x.device.type not in _FUSED_DEVICE_TYPES:
                 reason = f"inputs are on {x.device.type}"
             elif self.training:
                 reason = "the model is in training mode"
@@ -379,6 +393,8 @@ class FusedDecoderLayer(_FusedModule, Qwen3_5DecoderLayer):
                 hidden_states, position_embeddings, attention_mask=attention_mask, position_ids=position_ids, **kwargs
             )
         cache = _pop_cache(kwargs)
+        if cache is None:
+            cache = self.__dict__.get("_prefill_cache")  # set by FusedDecodeCache for the prefill it runs
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         if self.block_type == "linear_attention":
@@ -416,8 +432,524 @@ _FUSED_OPS = {
 }
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# Fused decode: preallocated hybrid state, one fused step, CUDA graphs
+# --------------------------------------------------------------------------------------------------------------------
+
+# Cache lengths are rounded up to a power of two (at least this), so generate calls of nearby lengths share buffers
+# and their captured graph. Attention reads the whole length each step (masked), at most 2x the tokens it needs.
+_MIN_DECODE_LEN = 256
+# Decode buckets (batch size x cache length) kept per model; the least recently used beyond this is freed.
+_MAX_DECODE_STATES = 2
+
+
+def _decode_len_bucket(needed: int) -> int:
+    return max(_MIN_DECODE_LEN, 1 << max(0, needed - 1).bit_length())
+
+
+def _weights_key(text_model) -> tuple:
+    """Addresses of every parameter: a captured graph reads these, so it is recaptured when any changes."""
+    return tuple(p.data_ptr() for p in text_model.parameters())
+
+
+class _DecodeState:
+    """The fixed-address tensors one decode bucket keeps across ``generate`` calls, and its CUDA graph.
+
+    Buffers, for batch B and cache length L (created once, updated in place):
+
+    - linear-attention layer i: ``conv[i]`` [B, conv_dim, K] (model dtype, the last K pre-conv inputs, as stock's
+      conv state) and ``recurrent[i]`` [B, HV, Dk, Dv] float32 (as fla's chunked kernel returns it);
+    - full-attention layer i: ``keys[i]``, ``values[i]`` [B, KV, L, D] (model dtype);
+    - step inputs: ``embeds`` [B, 1, hidden], ``positions`` [3, B, 1] (mRoPE t/h/w), ``slot`` [1] int64 (the cache
+      index the next token is written to; the step advances it), ``key_valid`` [B, L] bool (padding mask of the
+      keys written so far).
+
+    The step (``step``) runs the whole decoder for one token on these buffers; with CUDA graphs it is captured
+    once, on its second call (the first, eager, warms every kernel), and replayed for every later token.
+    """
+
+    def __init__(self, text_model, batch: int, max_len: int):
+        # normal tensors even when generate runs under torch.inference_mode(): later calls may run without it, and
+        # inference tensors cannot be updated in place outside it
+        with torch.inference_mode(False):
+            self._allocate(text_model, batch, max_len)
+        self.graph = None  # torch.cuda.CUDAGraph once captured; False after a failed capture (eager from then on)
+        self.graph_out = None
+        self.graph_weights = None
+        self.warm = False
+        self.owner = None
+
+    def _allocate(self, text_model, batch: int, max_len: int) -> None:
+        weight = text_model.embed_tokens.weight
+        dtype, device = weight.dtype, weight.device
+        config = text_model.config
+        self.batch, self.max_len, self.dtype, self.device = batch, max_len, dtype, device
+        self.conv, self.recurrent, self.keys, self.values = {}, {}, {}, {}
+        for i, layer in enumerate(text_model.layers[: config.num_hidden_layers]):
+            if layer.block_type == "linear_attention":
+                m = layer.linear_attn
+                self.conv[i] = torch.zeros(batch, m.conv_dim, m.conv_kernel_size, dtype=dtype, device=device)
+                self.recurrent[i] = torch.zeros(
+                    batch, m.num_v_heads, m.head_k_dim, m.head_v_dim, dtype=torch.float32, device=device
+                )
+            else:
+                shape = (batch, config.num_key_value_heads, max_len, layer.self_attn.head_dim)
+                self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
+                self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
+        self.embeds = torch.zeros(batch, 1, config.hidden_size, dtype=dtype, device=device)
+        self.positions = torch.zeros(3, batch, 1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+
+    def nbytes(self) -> int:
+        tensors = [*self.conv.values(), *self.recurrent.values(), *self.keys.values(), *self.values.values()]
+        return sum(t.nbytes for t in tensors)
+
+    def drop_graph(self) -> None:
+        self.graph, self.graph_out, self.graph_weights, self.warm = None, None, None, False
+
+    # -- the step ----------------------------------------------------------------------------------------------------
+
+    def step(self, text_model) -> torch.Tensor:
+        """One token for the whole batch, on the static buffers: no host sync, so it can be captured.
+
+        Returns the final-norm hidden state [B, 1, hidden]."""
+        B = self.batch
+        self.key_valid.index_fill_(1, self.slot, True)
+        mask = self.key_valid.view(B, 1, 1, self.max_len)
+        h = self.embeds  # the residual stream
+        cos, sin = text_model.rotary_emb(h, self.positions)
+        mlp_out = None  # each layer's MLP output is added to the stream inside the next norm (one launch, not two)
+        for i, layer in enumerate(text_model.layers[: text_model.config.num_hidden_layers]):
+            ln = layer.input_layernorm
+            if mlp_out is None:
+                x = rms_norm(h, ln.weight, ln.eps)
+            else:
+                x, h = rms_norm(mlp_out, ln.weight, ln.eps, residual=h)
+            if layer.block_type == "linear_attention":
+                y = self._deltanet_step(layer.linear_attn, x, i)
+            else:
+                y = self._attention_step(layer.self_attn, x, cos, sin, mask, i)
+            ln = layer.post_attention_layernorm
+            x, h = rms_norm(y, ln.weight, ln.eps, residual=h)
+            mlp_out = layer.mlp(x)
+        self.slot.add_(1)
+        self.positions.add_(1)  # every mRoPE section of a generated (text) token moves on by one
+        return rms_norm(mlp_out, text_model.norm.weight, text_model.norm.eps, residual=h)[0]
+
+    def _deltanet_step(self, m, x, i):
+        B = self.batch
+        w, _ = m._packed_weight()
+        proj = F.linear(x.view(B, -1), w)  # [B, conv_dim + value_dim + 2 * HV]
+        mixed, z, b, a = torch.split(proj, [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads], dim=-1)
+        mixed = causal_conv1d_step(mixed, self.conv[i], m.conv1d.weight.squeeze(1), m.conv1d.bias)
+        q, k, v = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        core = gated_delta_rule_step(
+            q.view(B, m.num_k_heads, m.head_k_dim),
+            k.view(B, m.num_k_heads, m.head_k_dim),
+            v.view(B, m.num_v_heads, m.head_v_dim),
+            a,
+            b,
+            m.A_log,
+            m.dt_bias,
+            self.recurrent[i],
+        )  # [B, HV, Dv]; the state is updated in place
+        core = fla_rms_norm_gated(
+            core.view(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim), m.norm.weight, m.norm.variance_epsilon
+        )
+        return m.out_proj(core.view(B, 1, -1))
+
+    def _attention_step(self, m, x, cos, sin, mask, i):
+        B = self.batch
+        H, KV, D = m.config.num_attention_heads, m.config.num_key_value_heads, m.head_dim
+        w, bias = m._packed_weight()
+        qkv = F.linear(x, w, bias)  # [B, 1, N]
+        q, k, v, gate = attn_prep(qkv, cos, sin, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps, H, KV, D)
+        keys, values = self.keys[i], self.values[i]
+        keys.index_copy_(2, self.slot, k)
+        values.index_copy_(2, self.slot, v)
+        # The H query heads of one token, grouped by their KV head ([B, KV, H/KV, D]), attend over the whole
+        # preallocated length; the mask keeps the keys written so far that are not padding.
+        o = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, D), keys, values, attn_mask=mask, scale=m.scaling)
+        return m.o_proj(sigmoid_gate_mul(o.reshape(B, 1, H, D), gate))
+
+    # -- driving it --------------------------------------------------------------------------------------------------
+
+    def decode(self, text_model, use_graph: bool) -> torch.Tensor:
+        if not use_graph or self.graph is False:
+            return self.step(text_model)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.graph_out
+        if not self.warm:  # the first step runs eagerly: it warms (autotunes, JITs) every kernel before capture
+            self.warm = True
+            return self.step(text_model)
+        return self._capture_and_replay(text_model)
+
+    def _capture_and_replay(self, text_model) -> torch.Tensor:
+        for module in text_model.modules():  # pack outside the capture, so no packing allocates inside it
+            if isinstance(module, _FusedModule) and module._fused_groups:
+                module._packed_weight()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                out = self.step(text_model)
+        except Exception as err:  # noqa: BLE001 - any capture failure: decode eagerly, said once
+            self.graph = False
+            _announce(
+                f"graph-capture/{type(err).__name__}",
+                f"Qwen3.5 fused kernels: CUDA graph capture of the decode step failed ({type(err).__name__}: {err}); "
+                "decoding with the fused kernels without graphs.",
+            )
+            return self.step(text_model)
+        self.graph, self.graph_out, self.graph_weights = graph, out, _weights_key(text_model)
+        graph.replay()
+        return out
+
+
+class FusedDecodeCache(Cache):
+    """The cache ``generate`` uses on the fused path: a transformers ``Cache`` over a :class:`_DecodeState`.
+
+    Created by the model in ``generate`` (never by the user) for greedy and sampling generation. The prefill writes
+    its conv, recurrent and K/V state straight into the preallocated buffers; each later token is one fused step,
+    replayed from a CUDA graph when ``cuda_graphs`` is on. The buffers belong to the model and are reused by its
+    next ``generate`` call with the same batch size and length bucket: a cache handed out by an earlier call then
+    refuses to run (instead of reading another request's state).
+    """
+
+    def __init__(self, state: _DecodeState, layer_types, use_graph: bool):
+        super().__init__(layers=[])
+        self._state = state
+        self._layer_types = list(layer_types)
+        self._use_graph = use_graph
+        self._seq_len = 0
+        self._overrun = False
+        state.owner = self
+
+    def __repr__(self):
+        st = self._state
+        return (f"FusedDecodeCache(batch={st.batch}, max_len={st.max_len}, seq_len={self._seq_len}, "
+                f"cuda_graphs={self._use_graph})")
+
+    def _buffers(self) -> _DecodeState:
+        if self._overrun:
+            raise RuntimeError(
+                "This FusedDecodeCache ran a few steps past the end of its generate() call (stop checks are batched "
+                "to keep the host off the critical path), so it cannot be continued."
+            )
+        if self._state.owner is not self:
+            raise RuntimeError(
+                "This FusedDecodeCache was handed out by an earlier generate() call and its buffers now serve a later "
+                "one on the same model; a fused decode cache cannot be reused after its generate() returns."
+            )
+        return self._state
+
+    # -- what generate and the model ask of a Cache ------------------------------------------------------------------
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seq_len
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self._state.max_len
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self._state.max_len
+
+    @property
+    def max_cache_len(self) -> int:
+        return self._state.max_len
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._state.batch
+
+    @property
+    def batch_size(self) -> int:
+        return self._state.batch
+
+    @property
+    def is_compileable(self) -> bool:
+        return False  # the step is already captured; generate must not torch.compile the forward around it
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self._layer_types)
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [t == "linear_attention" for t in self._layer_types]
+
+    @property
+    def is_initialized(self) -> bool:
+        return True
+
+    def __len__(self):
+        return len(self._layer_types)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self._seq_len > 0
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        return self._buffers().conv.get(layer_idx) if self._seq_len else None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
+        return self._buffers().recurrent.get(layer_idx) if self._seq_len else None
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Prefill: store the prompt's keys/values [B, KV, T, D] at [0, T) and hand them back unchanged."""
+        st = self._buffers()
+        T = key_states.shape[2]
+        st.keys[layer_idx][:, :, :T].copy_(key_states)
+        st.values[layer_idx][:, :, :T].copy_(value_states)
+        return key_states, value_states
+
+    def update_conv_state(self, conv_states, layer_idx: int, conv_kernel_size: int | None = None, **kwargs):
+        """Prefill: keep the last K of the prompt's pre-conv inputs [B, conv_dim, T] (zero-padded on the left)."""
+        buf = self._buffers().conv[layer_idx]
+        K, T = buf.shape[-1], conv_states.shape[-1]
+        if T >= K:
+            buf.copy_(conv_states[..., T - K :])
+        else:
+            buf.zero_()
+            buf[..., K - T :].copy_(conv_states)
+        return conv_states
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, **kwargs):
+        buf = self._buffers().recurrent[layer_idx]
+        buf.copy_(recurrent_states)
+        return buf
+
+    def reset(self):
+        self._seq_len = 0
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(
+            f"The fused decode cache does not support {what}; generate() uses it only for greedy and sampling "
+            "generation, and runs the stock cache for the rest."
+        )
+
+    def crop(self, tokens_to_remove: int):
+        self._unsupported("crop() (assisted decoding)")
+
+    def reorder_cache(self, beam_idx):
+        self._unsupported("reorder_cache() (beam search)")
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._unsupported("batch_repeat_interleave()")
+
+    def batch_select_indices(self, indices):
+        self._unsupported("batch_select_indices()")
+
+    # -- the text model's forward on this cache ----------------------------------------------------------------------
+
+    def run(self, text_model, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
+        st = self._buffers()
+        x = inputs_embeds if inputs_embeds is not None else input_ids
+        if x is None:
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        batch, seq_len = x.shape[:2]
+        if batch != st.batch:
+            raise ValueError(f"This fused decode cache holds batch size {st.batch}, got inputs of batch size {batch}.")
+        if self._seq_len + seq_len > st.max_len:
+            raise ValueError(
+                f"The fused decode cache holds {st.max_len} tokens; {self._seq_len} are cached and {seq_len} more "
+                "were passed."
+            )
+        if self._seq_len == 0:
+            out = self._prefill(text_model, input_ids, attention_mask, position_ids, inputs_embeds, kwargs)
+        elif seq_len == 1:
+            self._load_step_inputs(text_model, input_ids, inputs_embeds, position_ids)
+            out = BaseModelOutputWithPast(last_hidden_state=st.decode(text_model, self._use_graph))
+        else:
+            raise NotImplementedError(
+                f"The fused decode cache continues one token at a time; got {seq_len} new tokens after "
+                f"{self._seq_len} cached ones. Start a new generate() call with the whole sequence instead."
+            )
+        self._seq_len += seq_len
+        out[_OUTPUT_CACHE_FIELD] = self
+        return out
+
+    def _prefill(self, text_model, input_ids, attention_mask, position_ids, inputs_embeds, kwargs):
+        st = self._state
+        seq_len = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+            raise ValueError(
+                "The fused decode cache needs a 2D [batch, length] padding mask (or none) for the prompt, got "
+                f"{type(attention_mask).__name__}"
+                f"{tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else ''}."
+            )
+        for kw in _CACHE_KWS:
+            kwargs.pop(kw, None)
+        kwargs["use_cache"] = False
+        layers = text_model.layers
+        # The stock forward builds the prompt's masks as for an empty cache (which this is) and the fused layers
+        # write their state here through the side channel read by FusedDecoderLayer.
+        try:
+            for layer in layers:
+                layer._prefill_cache = self
+            out = Qwen3_5TextModel.forward(
+                text_model,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                **kwargs,
+            )
+        finally:
+            for layer in layers:
+                layer._prefill_cache = None
+        st.key_valid.zero_()
+        if attention_mask is None:
+            st.key_valid[:, :seq_len] = True
+        else:
+            st.key_valid[:, :seq_len].copy_(attention_mask.bool())
+        st.slot.fill_(seq_len)
+        # the first generated token's positions: one past the prompt's last (stock's rule, per mRoPE section)
+        if position_ids is None:
+            st.positions.fill_(seq_len)
+        elif position_ids.dim() == 2:
+            st.positions.copy_(position_ids[None, :, -1:] + 1)
+        elif position_ids.shape[0] == 4:
+            st.positions.copy_(position_ids[1:, :, -1:] + 1)
+        else:
+            st.positions.copy_(position_ids[..., -1:] + 1)
+        return out
+
+    def next_token(self, text_model, tokens: torch.Tensor) -> torch.Tensor:
+        """Run the step for ``tokens`` [B] (the tokens just chosen) at the positions that follow the previous step's;
+        returns the final-norm hidden state [B, 1, hidden]. Used by the fused generate loop (``_fused_sample``)."""
+        st = self._buffers()
+        if self._seq_len >= st.max_len:
+            raise ValueError(f"The fused decode cache holds {st.max_len} tokens and is full.")
+        torch.index_select(text_model.embed_tokens.weight, 0, tokens, out=st.embeds.view(st.batch, -1))
+        out = st.decode(text_model, self._use_graph)
+        self._seq_len += 1
+        return out
+
+    def _load_step_inputs(self, text_model, input_ids, inputs_embeds, position_ids) -> None:
+        """Copy this token's embedding and mRoPE positions into the step's static inputs (one launch each)."""
+        st = self._state
+        if inputs_embeds is not None:
+            st.embeds.copy_(inputs_embeds)
+        else:
+            torch.index_select(text_model.embed_tokens.weight, 0, input_ids.reshape(-1), out=st.embeds.view(st.batch, -1))
+        # the positions as stock's text model reads them: none -> the cache length; [B, 1] -> text positions for
+        # all three mRoPE sections; [4, B, 1] -> text row first; [3, B, 1] -> the sections
+        if position_ids is None:
+            st.positions.fill_(self._seq_len)
+        elif position_ids.dim() == 2:
+            st.positions.copy_(position_ids[None, :, -1:])
+        elif position_ids.shape[0] == 4:
+            st.positions.copy_(position_ids[1:, :, -1:])
+        else:
+            st.positions.copy_(position_ids[..., -1:])
+
+
+# Steps between the host's checks that every row has stopped (EOS): each check waits for the GPU, so checking every
+# step would put the host back on the critical path. A finished batch runs at most this many extra steps, which are
+# cut from the output, so the result is stock's.
+_STOP_CHECK_EVERY = 16
+_GENERATE_OUTPUT_CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
+
+def _fused_sample(model, cache, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs):
+    """Greedy / multinomial decoding on a :class:`FusedDecodeCache`: stock ``_sample``'s token rule, with the
+    model call reduced to one replayed step plus the LM head, and the all-rows-stopped check batched.
+
+    Same outputs as stock ``_sample`` (sequences, scores, logits, streamer calls): logits processors, stopping
+    criteria and the padding of finished rows run as there, every step.
+    """
+    text_model = model._text_model()
+    pad = generation_config._pad_token_tensor
+    if pad is not None:
+        pad = pad.to(input_ids.device)
+    ret = generation_config.return_dict_in_generate
+    scores = () if ret and generation_config.output_scores else None
+    raw_logits = () if ret and generation_config.output_logits else None
+    has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+    max_length = getattr(stopping_criteria, "max_length", None)
+    check_every = 1 if streamer is not None else _STOP_CHECK_EVERY
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+
+    outputs = model._prefill(input_ids, generation_config, model_kwargs)
+    logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+    del outputs
+    prompt_len = input_ids.shape[1]
+    done_flags = []  # per step: 0-dim "every row has stopped", read by the host every `check_every` steps
+    stop_at = None
+    while True:
+        next_scores = logits_processor(input_ids, logits)
+        if scores is not None:
+            scores += (next_scores,)
+        if raw_logits is not None:
+            raw_logits += (logits,)
+        if generation_config.do_sample:
+            next_tokens = torch.multinomial(F.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            next_tokens = torch.argmax(next_scores, dim=-1)
+        if has_eos:
+            next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        if streamer is not None:
+            streamer.put(next_tokens.cpu())
+        done_flags.append(unfinished.max() == 0)
+        steps = input_ids.shape[1] - prompt_len
+        at_max = max_length is not None and input_ids.shape[1] >= max_length
+        if at_max or steps % check_every == 0:
+            flags = torch.stack(done_flags).tolist()
+            done_flags.clear()
+            if any(flags):
+                stop_at = steps - len(flags) + flags.index(True) + 1  # steps stock would have run
+                break
+            if at_max:
+                break
+        logits = model.lm_head(cache.next_token(text_model, next_tokens))[:, -1].float()
+
+    if stop_at is not None and stop_at < input_ids.shape[1] - prompt_len:
+        extra = input_ids.shape[1] - prompt_len - stop_at
+        input_ids = input_ids[:, :-extra]
+        scores = scores[:-extra] if scores is not None else None
+        raw_logits = raw_logits[:-extra] if raw_logits is not None else None
+        cache._overrun = True
+    if streamer is not None:
+        streamer.end()
+    if not ret:
+        return input_ids
+    return GenerateDecoderOnlyOutput(
+        sequences=input_ids, scores=scores, logits=raw_logits, attentions=None, hidden_states=None,
+        **{_GENERATE_OUTPUT_CACHE_FIELD: cache},
+    )
+
+
+_TEXT_FORWARD_ARGS = tuple(inspect.signature(Qwen3_5TextModel.forward).parameters)[1:]
+
+
+class _FusedTextForward:
+    """The text backbone's ``forward``: calls that carry a :class:`FusedDecodeCache` run through it (fused prefill
+    into its buffers, then one fused step per token); every other call is the stock ``forward``."""
+
+    def forward(self, *args, **kwargs):
+        if args:  # positional arguments, in the stock order
+            kwargs.update(zip(_TEXT_FORWARD_ARGS, args))
+        cache = next((kwargs[kw] for kw in _CACHE_KWS if kwargs.get(kw) is not None), None)
+        if isinstance(cache, FusedDecodeCache):
+            return cache.run(self, **kwargs)
+        return super().forward(**kwargs)
+
+
+class _FusedTextBackbone(_FusedTextForward, Qwen3_5TextModel):
+    """The class a stock ``Qwen3_5TextModel`` inside a fused causal LM is switched to (no new parameters)."""
+
+
 def _fuse_text_model(text_model: Qwen3_5TextModel, config) -> None:
     """Switch the text backbone's decoder modules to the fused classes (in place) and pack their projections."""
+    if type(text_model) is Qwen3_5TextModel:
+        text_model.__class__ = _FusedTextBackbone
     enabled = resolve_switch(config, "fused_kernels")
     unavailable = kernels_available() if enabled else None
     for module in text_model.modules():
@@ -437,6 +969,45 @@ def _fuse_text_model(text_model: Qwen3_5TextModel, config) -> None:
                     norm.__class__ = Qwen3_5RMSNorm
     text_model._fused_enabled = enabled
     text_model._fused_unavailable = unavailable
+    _release_decode_states(text_model)
+
+
+def _release_decode_states(text_model) -> None:
+    """Free the decode buffers and CUDA graphs (after a move, a dtype change or a switch of the fused path)."""
+    states = text_model.__dict__.get("_decode_states")
+    if states:
+        for state in states.values():
+            state.drop_graph()
+            state.owner = None
+        states.clear()
+    text_model._decode_states = {}
+
+
+def _decode_state(text_model, batch: int, max_len: int) -> _DecodeState:
+    """The model's decode buffers for this bucket, created (and the least recently used beyond the limit freed)."""
+    states = text_model._decode_states
+    weight = text_model.embed_tokens.weight
+    key = (batch, max_len, weight.dtype, weight.device)
+    state = states.pop(key, None)
+    if state is None:
+        while len(states) >= _MAX_DECODE_STATES:
+            old = states.pop(next(iter(states)))
+            old.drop_graph()
+            old.owner = None
+        state = _DecodeState(text_model, batch, max_len)
+    states[key] = state  # most recently used last
+    if state.graph and state.graph_weights != _weights_key(text_model):
+        state.drop_graph()  # a parameter was replaced since the capture: capture again
+    return state
+
+
+def _tensor_parallel_requested(kwargs: dict) -> bool:
+    if kwargs.get("tp_plan") is not None or kwargs.get("tp_size") is not None or kwargs.get("device_mesh") is not None:
+        return True
+    distributed = kwargs.get("distributed_config")
+    return distributed is not None and (
+        getattr(distributed, "tp_plan", None) is not None or getattr(distributed, "tp_size", None) is not None
+    )
 
 
 def _check_model_type(config) -> None:
@@ -461,6 +1032,7 @@ class _FusedPreTrainedMixin:
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         overrides = {name: check_switch(name, kwargs.pop(name)) for name in ("fused_kernels", "cuda_graphs") if name in kwargs}
         config = kwargs.get("config")
+        config_dict = None
         if config is None and pretrained_model_name_or_path is not None:
             config_dict, _ = cls.config_class.get_config_dict(
                 pretrained_model_name_or_path,
@@ -469,11 +1041,98 @@ class _FusedPreTrainedMixin:
             _check_model_type(type("C", (), {"model_type": config_dict.get("model_type")}))
         elif config is not None and not isinstance(config, (str, bytes)):
             _check_model_type(config)
+        if _tensor_parallel_requested(kwargs):
+            fused = overrides.get("fused_kernels")
+            if fused is None:
+                fused = env_switch("fused_kernels")
+            if fused is None:
+                source = config if config is not None and not isinstance(config, (str, bytes)) else None
+                fused = bool(getattr(source, "fused_kernels", None) if source is not None
+                             else (config_dict or {}).get("fused_kernels", False))
+            if fused:
+                raise ValueError(
+                    "Tensor parallel loading (tp_plan / tp_size / distributed_config) is not supported with "
+                    "fused_kernels=True: the fused path packs q/k/v, qkv/z/b/a and gate/up into one matrix each and "
+                    "reads whole-model head counts, so sharded weights would be computed wrongly. Load with "
+                    "fused_kernels=False to use the stock tensor-parallel plan, use device_map='auto' to spread "
+                    "layers over GPUs with the fused kernels, or serve the checkpoint with vLLM / SGLang."
+                )
         out = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model = out[0] if isinstance(out, tuple) else out
         for name, value in overrides.items():
             setattr(model.config, name, value)
         model._refresh_fused()
+        return out
+
+    # -- generate: the fused decode cache ---------------------------------------------------------------------------
+
+    def _fused_decode_blocker(self, generation_config, model_kwargs, generation_mode) -> str | None:
+        """None when this ``generate`` call can decode on the fused path, else the reason it cannot."""
+        text_model = self._text_model()
+        if text_model._fused_unavailable is not None:
+            return text_model._fused_unavailable
+        device = text_model.embed_tokens.weight.device
+        if device.type not in _FUSED_DEVICE_TYPES:
+            return f"the model is on {device.type}"
+        if self.training:
+            return "the model is in training mode"
+        device_map = getattr(self, "hf_device_map", None) or {}
+        if len({str(d) for d in device_map.values()}) > 1:
+            return "the model is dispatched over several devices (device_map); the fused step runs on one device"
+        if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+            return f"the generation mode is {getattr(generation_mode, 'value', generation_mode)} (fused: greedy and sampling)"
+        if model_kwargs.get(_GENERATE_CACHE_KW) is not None:
+            return "a cache object was passed to generate()"
+        if generation_config.cache_implementation is not None:
+            return f"cache_implementation={generation_config.cache_implementation!r} was requested"
+        if getattr(generation_config, "prefill_chunk_size", None):
+            return "prefill_chunk_size was set"
+        if generation_config.output_attentions or generation_config.output_hidden_states:
+            return "attention weights or hidden states were requested from generate()"
+        for layer in text_model.layers:
+            if layer.block_type == "linear_attention" and layer.linear_attn.activation not in ("silu", "swish"):
+                return f"the DeltaNet activation is {layer.linear_attn.activation!r} (fused: silu)"
+        return None
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
+    ):
+        text_model = self._text_model()
+        if text_model._fused_enabled and generation_config.use_cache is not False:
+            reason = self._fused_decode_blocker(generation_config, model_kwargs, generation_mode)
+            if reason is None:
+                batch = batch_size * max(1, generation_config.num_return_sequences or 1)
+                state = _decode_state(text_model, batch, _decode_len_bucket(max_cache_length + 1))
+                use_graph = resolve_switch(self._text_config(), "cuda_graphs") and state.device.type == "cuda"
+                layer_types = text_model.config.layer_types[: text_model.config.num_hidden_layers]
+                model_kwargs[_GENERATE_CACHE_KW] = FusedDecodeCache(state, layer_types, use_graph)
+                return None
+            _announce(
+                f"decode/{reason}",
+                f"Qwen3.5 fused kernels: generate() decodes with the stock transformers cache and code because {reason}.",
+            )
+        return super()._prepare_cache_for_generation(
+            generation_config, model_kwargs, generation_mode, batch_size, max_cache_length, *args, **kwargs
+        )
+
+    def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                streamer=None, **model_kwargs):
+        cache = model_kwargs.get(_GENERATE_CACHE_KW)
+        if isinstance(cache, FusedDecodeCache) and not synced_gpus and cache.get_seq_length() == 0:
+            return _fused_sample(
+                self, cache, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs
+            )
+        return super()._sample(
+            input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus, streamer, **model_kwargs
+        )
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        try:
+            text_model = self._text_model()
+        except AttributeError:  # still inside __init__
+            return out
+        _release_decode_states(text_model)  # buffers and graphs point at the old storage
         return out
 
     def _sync_switches(self) -> None:
@@ -505,7 +1164,7 @@ class _FusedPreTrainedMixin:
             reason = "fused_kernels is off"
         elif unavailable is not None:
             reason = unavailable
-        elif device.type != "cuda":
+        elif device.type not in _FUSED_DEVICE_TYPES:
             reason = f"the model is on {device.type}"
         elif self.training:
             reason = "the model is in training mode"
@@ -518,12 +1177,32 @@ class _FusedPreTrainedMixin:
                 "ops": _FUSED_OPS[kind] if reason is None else "stock transformers forward",
                 "reason": reason,
             }
+        graphs = resolve_switch(self._text_config(), "cuda_graphs")
+        states = text_model.__dict__.get("_decode_states") or {}
+        decode = {
+            "path": "fused" if reason is None else "stock",
+            "ops": (
+                "one step per token on preallocated conv / recurrent / K-V buffers: causal_conv1d_step + "
+                "gated_delta_rule_step (state in place), attn_prep + K/V written in place + SDPA + sigmoid gate, "
+                "fused norms and SwiGLU" if reason is None else "stock transformers decode"
+            ),
+            "cuda_graphs": bool(graphs and reason is None and device.type == "cuda"),
+            "falls_back": "beam search, assisted / contrastive decoding, a cache passed in, cache_implementation, "
+            "output_attentions / output_hidden_states, a model split over devices",
+            "buckets": [
+                {"batch": st.batch, "max_len": st.max_len, "graph_captured": bool(st.graph), "cache_bytes": st.nbytes()}
+                for st in states.values()
+            ],
+            "reason": reason,
+        }
         if reason is None:
-            kinds["linear_attention"]["falls_back"] = "decode steps that continue from a cached state"
+            kinds["linear_attention"]["falls_back"] = "decode steps outside generate()'s fused cache (stock cache)"
         return {
             "fused_kernels": enabled,
+            "cuda_graphs": graphs,
             "device": str(device),
             "layers": kinds,
+            "decode": decode,
             "vision_tower": "stock" if hasattr(self._composite_model(), "visual") else None,
             "announced_fallbacks": sorted(_announced),
         }
@@ -532,7 +1211,7 @@ class _FusedPreTrainedMixin:
         return self
 
 
-class Qwen3_5FusedTextModel(_FusedPreTrainedMixin, Qwen3_5TextModel):
+class Qwen3_5FusedTextModel(_FusedPreTrainedMixin, _FusedTextForward, Qwen3_5TextModel):
     config_class = Qwen3_5FusedTextConfig
 
     def __init__(self, config):
@@ -542,6 +1221,7 @@ class Qwen3_5FusedTextModel(_FusedPreTrainedMixin, Qwen3_5TextModel):
 
     def _text_model(self):
         return self
+
 
 
 class Qwen3_5FusedForCausalLM(_FusedPreTrainedMixin, Qwen3_5ForCausalLM):

@@ -190,11 +190,22 @@ def request_set(models: dict, lengths, device, vocab, timer) -> dict:
 
 
 def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, device, vocab) -> dict:
-    """ms per generated token through plain generate(): (time for N new tokens - time for 1) / (N - 1)."""
+    """ms per generated token through plain generate(): (time for N new tokens - time for 1) / (N - 1).
+
+    The fused model runs twice: with its CUDA graphs ("fused") and with the same fused step run eagerly
+    ("fused-eager", `cuda_graphs` off), so the graphs' share of the gain is measured too. Also records the peak
+    memory of the N-token call and the fused decode cache's preallocated bytes."""
     ids = torch.randint(3, vocab, (batch, prompt_len), device=device)
     mask = torch.ones_like(ids)
+    variants = [("stock", models["stock"], None)]
+    if "fused" in models:
+        variants += [("fused-eager", models["fused"], False), ("fused", models["fused"], True)]
     out = {}
-    for name, model in models.items():
+    for name, model, graphs in variants:
+        if graphs is not None:
+            saved = model.config.cuda_graphs
+            model.config.cuda_graphs = graphs
+
         def run(n):
             with torch.inference_mode(), stock_cpu_guard(device):
                 model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
@@ -202,15 +213,23 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
             if device.type == "cuda":
                 torch.cuda.synchronize()
 
-        run(4)
+        run(4)  # warm: autotune, graph capture
         t0 = time.perf_counter()
         run(1)
         t1 = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         run(new_tokens)
         t2 = time.perf_counter()
         per_token = ((t2 - t1) - (t1 - t0)) / (new_tokens - 1) * 1e3
         out[name] = {"ms_per_token": per_token, "tokens_per_s": batch * 1e3 / per_token}
-        log(f"decode batch={batch} {name}: {per_token:.2f} ms/token")
+        if device.type == "cuda":
+            out[name]["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        if graphs is not None:
+            model.config.cuda_graphs = saved
+            buckets = model.describe()["decode"]["buckets"]
+            out[name]["cache_bytes"] = max((b["cache_bytes"] for b in buckets if b["batch"] == batch), default=0)
+        log(f"decode batch={batch} {name}: {per_token:.3f} ms/token")
     return out
 
 
@@ -292,14 +311,21 @@ def to_markdown(results: dict) -> str:
         fmt = lambda a: " / ".join(f"{a[k]:.2f}" for k in ("median", "mean", "p90", "p95"))  # noqa: E731
         long = f"{s['over_2048']['median']:.1f} / {f['over_2048']['median']:.1f}" if s["over_2048"] else "-"
         lines.append(f"| {name} | {s['all']['n']} | {fmt(s['all'])} | {fmt(f['all'])} | {long} |")
-    lines += ["", "| model | batch | stock ms/token | fused ms/token | speed-up | fused tokens/s | weight-read floor ms | fused / floor |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | batch | stock ms/token | fused eager ms/token | fused + graphs ms/token | speed-up | "
+              "fused tokens/s | weight-read floor ms | fused / floor | peak GiB stock / fused (cache) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["models"].items():
         for batch, d in r.get("decode", {}).items():
             floor = r["floors"].get("decode_ms") if r["floors"] else None
             s, f = d["stock"]["ms_per_token"], d["fused"]["ms_per_token"]
-            lines.append(f"| {name} | {batch} | {s:.2f} | {f:.2f} | {s / f:.2f}x | {d['fused']['tokens_per_s']:.0f} | "
-                         + (f"{floor:.2f} | {f / floor:.2f}x |" if floor else "- | - |"))
+            e = d.get("fused-eager", {}).get("ms_per_token")
+            peak = "-"
+            if "peak_bytes" in d["stock"]:
+                peak = (f"{d['stock']['peak_bytes'] / 2**30:.2f} / {d['fused']['peak_bytes'] / 2**30:.2f} "
+                        f"({d['fused'].get('cache_bytes', 0) / 2**30:.3f})")
+            lines.append(f"| {name} | {batch} | {s:.2f} | {'-' if e is None else f'{e:.2f}'} | {f:.3f} | {s / f:.1f}x | "
+                         f"{d['fused']['tokens_per_s']:.0f} | "
+                         + (f"{floor:.3f} | {f / floor:.2f}x |" if floor else "- | - |") + f" {peak} |")
     mem = [(n, r["memory"]) for n, r in results["models"].items() if r.get("memory")]
     if mem:
         lines += ["", "| model | peak memory stock GiB | fused GiB | fused / stock |", "|---|---|---|---|"]

@@ -110,3 +110,51 @@ def offline_env(cache_dir, modules_dir) -> dict:
                HF_HOME=str(cache_dir), HF_MODULES_CACHE=str(modules_dir), HF_HUB_DISABLE_TELEMETRY="1")
     env.pop("HF_TOKEN", None)
     return env
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# CPU emulation of the fused path: the fused control flow (packed GEMMs, the fused prefill, the decode cache and its
+# step, generate plumbing) with every kernel swapped for its plain-torch reference, so CI exercises it without a GPU.
+# The kernels themselves are tested against the same references (interpreter on CPU, CUDA on the device).
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _conv1d_torch(x, weight, bias=None, activation="silu", **_):
+    """fla `causal_conv1d` on [B, T, D] as stock's torch fallback computes it: depthwise conv, then SiLU."""
+    T = x.shape[1]
+    y = torch.nn.functional.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=weight.shape[1] - 1,
+                                   groups=weight.shape[0])[..., :T]
+    return torch.nn.functional.silu(y).transpose(1, 2), None
+
+
+def _chunk_rule_torch(q, k, v, g, beta, output_final_state=False, A_log=None, dt_bias=None, **_):
+    """fla `chunk_gated_delta_rule` with gate / beta / q-k L2 norm in the kernel, as stock's torch chunked rule."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as stock
+
+    gate = -A_log.float().exp() * torch.nn.functional.softplus(g.float() + dt_bias)
+    group = v.shape[2] // q.shape[2]  # grouped value heads: key head h serves value heads [h * group, (h+1) * group)
+    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    fn = inspect.unwrap(stock.torch_chunk_gated_delta_rule)
+    return fn(q, k, v, g=gate, beta=beta.sigmoid(), initial_state=None, output_final_state=output_final_state,
+              use_qk_l2norm_in_kernel=True)
+
+
+def _rms_norm_gated_torch(x, gate, weight, eps):
+    """fla's gated RMSNorm as stock `Qwen3_5RMSNormGated` computes it."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(x.dtype)
+    return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
+
+
+def emulate_fused_on_cpu(monkeypatch):
+    """Let the fused path run on CPU tensors with torch references for every kernel (build models after this)."""
+    monkeypatch.setattr(modeling, "_FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(modeling, "kernels_available", lambda: None)
+    for name in ("rms_norm", "attn_prep", "sigmoid_gate_mul", "swiglu", "causal_conv1d_step", "gated_delta_rule_step"):
+        monkeypatch.setattr(modeling, name, getattr(fused_ops, f"{name}_ref"))
+    monkeypatch.setattr(modeling, "fla_causal_conv1d", _conv1d_torch)
+    monkeypatch.setattr(modeling, "fla_chunk_gated_delta_rule", _chunk_rule_torch)
+    monkeypatch.setattr(modeling, "fla_rms_norm_gated", _rms_norm_gated_torch)

@@ -485,3 +485,21 @@ def test_failed_verification_keeps_the_old_output(text_sources, tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repo", "repo.failed"]
     with pytest.raises(push_to_hub.PushRefused, match="verification failed"):
         push_to_hub.push(failed, "test-org/x", dry_run=True)
+
+
+def test_built_config_is_the_stock_config_plus_ignored_keys(text_build, text_sources, composite_build,
+                                                            composite_sources):
+    """Issue 7: what vLLM / SGLang read is the stock checkpoint. The built config.json equals the base model's but
+    for keys those engines ignore (the remote-code map and our two switches) and the dtype it was cast to; tensor
+    names and shapes are checked equal to the base checkpoint in the tests above."""
+    ours = {"auto_map", "fused_kernels", "cuda_graphs"}
+    cast = {"dtype", "torch_dtype", "transformers_version"}
+
+    def strip(config):
+        return {k: strip(v) if isinstance(v, dict) else v for k, v in config.items() if k not in ours | cast}
+
+    for (out, _), (base, _) in ((text_build, text_sources), (composite_build, composite_sources)):
+        built = json.loads((out / "config.json").read_text())
+        source = json.loads((base / "config.json").read_text())
+        assert strip(built) == strip(source)
+        assert ours <= set(built) and not ours & set(source)

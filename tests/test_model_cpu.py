@@ -266,3 +266,17 @@ def test_generate_greedy_matches_stock():
         ref = generate_stock(stock, input_ids=ids, attention_mask=mask, **kw)
         out = fused.generate(input_ids=ids, attention_mask=mask, **kw)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("kw", [dict(tp_plan="auto"), dict(tp_size=2)], ids=["tp_plan", "tp_size"])
+def test_tensor_parallel_is_refused_with_fused_kernels(tmp_path, kw):
+    """Issue 7: sharding the packed projections is not supported, so TP loading is refused before anything loads,
+    with the alternatives named (never silently wrong)."""
+    _, fused = stock_and_fused_lm(seed=0)
+    fused.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="Tensor parallel.*fused_kernels=False.*device_map='auto'.*vLLM"):
+        modeling.Qwen3_5FusedForCausalLM.from_pretrained(tmp_path, **kw)
+    try:  # fused off: our check lets it through to transformers' own TP handling (single process here)
+        modeling.Qwen3_5FusedForCausalLM.from_pretrained(tmp_path, fused_kernels=False, **kw)
+    except Exception as err:  # noqa: BLE001 - whatever transformers says without torchrun, it is not our refusal
+        assert "Tensor parallel loading" not in str(err)

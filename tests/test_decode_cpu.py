@@ -1,0 +1,276 @@
+"""Fused decode through plain ``generate()`` / ``pipeline()``, on CPU, against stock transformers.
+
+The fused path runs here with every kernel swapped for its plain-torch reference (``helpers.emulate_fused_on_cpu``):
+what is tested is everything around the kernels, on both ends of the supported transformers range: the
+``FusedDecodeCache`` that ``generate`` gets, the fused prefill writing into its preallocated buffers, the single-token
+step on those buffers (positions, padding mask, in-place K/V and state updates), bucket reuse across calls, the
+fallbacks (one log line each) and the errors. CUDA graphs and the kernels themselves are tested on the GPU
+(``test_model_cuda.py``, ``test_decode_ops.py``).
+"""
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import helpers
+from helpers import composite_kwargs, generate_stock, modeling, rel_err, stock_and_fused_lm
+
+REPO = Path(__file__).resolve().parents[1]
+# fp32 on CPU: the references round as stock does; SDPA over the preallocated (masked) length sums in another order
+SCORE_BOUND = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def fused_on_cpu(monkeypatch):
+    helpers.emulate_fused_on_cpu(monkeypatch)
+    modeling._announced.clear()
+    yield
+    modeling._announced.clear()
+
+
+def _prompts(batch=3, length=7, seed=1, pad_rows=((0, 3), (1, 1))):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 200, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, n in pad_rows:
+        if row < batch:
+            ids[row, :n] = 0
+            mask[row, :n] = 0
+    return ids, mask
+
+
+def _cache_of(out):
+    return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+
+
+def _both(stock, fused, ids, mask=None, seed=None, **kw):
+    kw = dict(pad_token_id=0, return_dict_in_generate=True, output_scores=True, **kw)
+    with torch.no_grad():
+        if seed is not None:
+            torch.manual_seed(seed)
+        a = generate_stock(stock, ids, attention_mask=mask, **kw)
+        if seed is not None:
+            torch.manual_seed(seed)
+        b = fused.generate(ids, attention_mask=mask, **kw)
+    return a, b
+
+
+def _assert_same(a, b):
+    assert torch.equal(a.sequences, b.sequences)
+    assert len(a.scores) == len(b.scores)
+    for step, (x, y) in enumerate(zip(b.scores, a.scores)):
+        finite = torch.isfinite(y)
+        assert torch.equal(finite, torch.isfinite(x)), step
+        err = rel_err(x[finite], y[finite])
+        assert err <= SCORE_BOUND, (step, err)
+
+
+@pytest.mark.parametrize("batch,length,new", [(1, 1, 5), (1, 7, 24), (3, 7, 20), (2, 129, 6)])
+def test_greedy_matches_stock(batch, length, new):
+    stock, fused = stock_and_fused_lm(seed=0)
+    ids, mask = _prompts(batch, length)
+    if length == 1:
+        mask = None
+    a, b = _both(stock, fused, ids, mask, max_new_tokens=new, do_sample=False)
+    assert isinstance(_cache_of(b), modeling.FusedDecodeCache)
+    assert _cache_of(b).get_seq_length() == length + new - 1
+    _assert_same(a, b)
+    assert fused.describe()["decode"]["path"] == "fused"
+
+
+def test_sampling_matches_stock():
+    stock, fused = stock_and_fused_lm(seed=2)
+    ids, mask = _prompts(3, 9)
+    a, b = _both(stock, fused, ids, mask, seed=7, max_new_tokens=16, do_sample=True, temperature=0.7, top_k=20,
+                 top_p=0.9)
+    assert isinstance(_cache_of(b), modeling.FusedDecodeCache)
+    _assert_same(a, b)
+
+
+def test_eos_stops_rows_like_stock():
+    stock, fused = stock_and_fused_lm(seed=0)
+    ids, mask = _prompts(3, 7)
+    free = _both(stock, fused, ids, mask, max_new_tokens=12, do_sample=False)[0].sequences
+    eos = int(free[1, 7 + 3])  # row 1 emits it at step 3; the other rows go on (padded with 0 once done)
+    a, b = _both(stock, fused, ids, mask, max_new_tokens=12, do_sample=False, eos_token_id=eos)
+    _assert_same(a, b)
+    assert (b.sequences[1, 7 + 4 :] == 0).all()
+
+
+def test_repeated_calls_reuse_buckets_and_stay_correct():
+    stock, fused = stock_and_fused_lm(seed=3)
+    for batch, length, new in [(2, 7, 8), (2, 11, 5), (1, 5, 9), (4, 3, 4), (2, 7, 8)]:
+        ids, mask = _prompts(batch, length, seed=batch + length)
+        a, b = _both(stock, fused, ids, mask, max_new_tokens=new, do_sample=False)
+        _assert_same(a, b)
+    buckets = fused.describe()["decode"]["buckets"]
+    assert len(buckets) == modeling._MAX_DECODE_STATES  # least recently used beyond the limit were freed
+    assert {(b["batch"], b["max_len"]) for b in buckets} == {(4, 256), (2, 256)}
+
+
+def test_bucket_grows_with_length():
+    stock, fused = stock_and_fused_lm(seed=3)
+    ids, mask = _prompts(1, 250, pad_rows=())
+    a, b = _both(stock, fused, ids, mask, max_new_tokens=10, do_sample=False)
+    _assert_same(a, b)
+    assert _cache_of(b).max_cache_len == 512
+
+
+def test_stale_cache_refuses_to_run():
+    stock, fused = stock_and_fused_lm(seed=0)
+    ids, mask = _prompts(2, 5)
+    _, first = _both(stock, fused, ids, mask, max_new_tokens=3, do_sample=False)
+    _both(stock, fused, ids, mask, max_new_tokens=3, do_sample=False)  # same bucket: takes the buffers over
+    with pytest.raises(RuntimeError, match="earlier generate"):
+        with torch.no_grad():
+            fused(input_ids=ids[:, :1], **{modeling._GENERATE_CACHE_KW: _cache_of(first)})
+
+
+def test_continuing_with_several_tokens_is_refused():
+    _, fused = stock_and_fused_lm(seed=0)
+    ids, mask = _prompts(2, 5)
+    with torch.no_grad():
+        out = fused.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                             return_dict_in_generate=True)
+        with pytest.raises(NotImplementedError, match="one token at a time"):
+            fused(input_ids=ids[:, :3], **{modeling._GENERATE_CACHE_KW: _cache_of(out)})
+
+
+@pytest.mark.parametrize("case", ["beam", "cache_passed", "static", "hidden_states"])
+def test_fallbacks_are_announced_and_correct(case, caplog):
+    from transformers import DynamicCache
+
+    stock, fused = stock_and_fused_lm(seed=0)
+    ids, mask = _prompts(2, 6)
+    kw = dict(max_new_tokens=6, do_sample=False)
+    expect = {"beam": "generation mode", "cache_passed": "cache object was passed", "static": "cache_implementation",
+              "hidden_states": "hidden states"}[case]
+    if case == "beam":
+        kw.update(num_beams=2)
+    elif case == "static":
+        kw.update(cache_implementation="static")
+    elif case == "hidden_states":
+        kw.update(output_hidden_states=True)
+    with caplog.at_level(logging.WARNING):
+        if case == "cache_passed":
+            with torch.no_grad():
+                a = generate_stock(stock, ids, attention_mask=mask, pad_token_id=0, return_dict_in_generate=True,
+                                   output_scores=True, **kw)
+                b = fused.generate(ids, attention_mask=mask, pad_token_id=0, return_dict_in_generate=True,
+                                   output_scores=True, **{modeling._GENERATE_CACHE_KW: DynamicCache(config=fused.config)},
+                                   **kw)
+        else:
+            a, b = _both(stock, fused, ids, mask, **kw)
+    assert not isinstance(_cache_of(b), modeling.FusedDecodeCache)
+    messages = [r.getMessage() for r in caplog.records if "decodes with the stock" in r.getMessage()]
+    assert len(messages) == 1 and expect in messages[0], messages
+    assert torch.equal(a.sequences, b.sequences)
+
+
+def test_composite_model_generates_fused():
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = modeling.Qwen3_5FusedConfig(**composite_kwargs(), fused_kernels=True)
+    fused = modeling.Qwen3_5FusedForConditionalGeneration(cfg).eval()
+    stock = Qwen3_5ForConditionalGeneration(modeling.Qwen3_5FusedConfig(**composite_kwargs())).eval()
+    stock.load_state_dict(fused.state_dict())
+    ids, mask = _prompts(2, 8)
+    a, b = _both(stock, fused, ids, mask, max_new_tokens=10, do_sample=False)
+    assert isinstance(_cache_of(b), modeling.FusedDecodeCache)
+    _assert_same(a, b)
+
+
+def test_moving_the_model_frees_decode_buffers():
+    _, fused = stock_and_fused_lm(seed=0)
+    ids, mask = _prompts(2, 5)
+    with torch.no_grad():
+        out = fused.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                             return_dict_in_generate=True)
+    assert len(fused.describe()["decode"]["buckets"]) == 1
+    fused.to(torch.float64)
+    assert fused.describe()["decode"]["buckets"] == []
+    with pytest.raises(RuntimeError, match="earlier generate"):
+        with torch.no_grad():
+            fused(input_ids=ids[:, :1], **{modeling._GENERATE_CACHE_KW: _cache_of(out)})
+    fused.set_fused_kernels(False)
+    assert fused.describe()["decode"]["path"] == "stock"
+
+
+def test_trained_model_pipeline_streamer_and_chat_template():
+    """The shipped checkpoint through pipeline("text-generation"), a TextStreamer and its chat template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, pipeline
+
+    tok = AutoTokenizer.from_pretrained(REPO)
+    config = modeling.Qwen3_5FusedConfig.from_pretrained(REPO)  # as AutoModelForCausalLM passes it
+    fused = modeling.Qwen3_5FusedForCausalLMLoader.from_pretrained(REPO, config=config, dtype=torch.float32).eval()
+    stock = AutoModelForCausalLM.from_pretrained(REPO, dtype=torch.float32).eval()  # stock, no remote code
+    assert fused.describe()["decode"]["path"] == "fused"
+    prompt = "def read_file(path):\n    with open(path"
+    gen = dict(max_new_tokens=24, do_sample=False)
+    with modeling._torch_reference_kernels():
+        want = pipeline("text-generation", model=stock, tokenizer=tok)(prompt, **gen)[0]["generated_text"]
+    got = pipeline("text-generation", model=fused, tokenizer=tok)(prompt, **gen)[0]["generated_text"]
+    assert got == want and len(got) > len(prompt)
+
+    chat = [{"role": "user", "content": "import os"}]
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    printed = []
+
+    class Collect(TextStreamer):
+        def on_finalized_text(self, text, stream_end=False):
+            printed.append(text)
+
+    with torch.no_grad():
+        out = fused.generate(**ids, **gen, streamer=Collect(tok, skip_prompt=True))
+        ref = generate_stock(stock, **ids, **gen)
+    assert torch.equal(out, ref)
+    assert "".join(printed).strip() == tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_generate_runs_the_fused_loop_once_prefilled(monkeypatch):
+    """generate() takes the fused loop: the model's forward runs once (the prefill), every token after is a step."""
+    stock, fused = stock_and_fused_lm(seed=0)
+    calls = {"run": 0, "loop": 0}
+    run, loop = modeling.FusedDecodeCache.run, modeling._fused_sample
+
+    def counting_run(self, *a, **k):
+        calls["run"] += 1
+        return run(self, *a, **k)
+
+    def counting_loop(*a, **k):
+        calls["loop"] += 1
+        return loop(*a, **k)
+
+    monkeypatch.setattr(modeling.FusedDecodeCache, "run", counting_run)
+    monkeypatch.setattr(modeling, "_fused_sample", counting_loop)
+    ids, mask = _prompts(2, 6)
+    a, b = _both(stock, fused, ids, mask, max_new_tokens=9, do_sample=False)
+    _assert_same(a, b)
+    assert calls == {"run": 1, "loop": 1}
+    assert _cache_of(b).get_seq_length() == 6 + 8
+
+
+@pytest.mark.parametrize("stop_after", [1, 5, modeling._STOP_CHECK_EVERY + 3])
+def test_all_rows_stopping_early_cuts_the_extra_steps(stop_after):
+    """A criterion that stops every row after `stop_after` tokens: the batched stop check ran a few steps further,
+    and those are cut so sequences and scores equal stock's; the cache refuses to be continued."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 6 + stop_after, dtype=torch.bool)
+
+    stock, fused = stock_and_fused_lm(seed=0)
+    ids, mask = _prompts(2, 6)
+    a, b = _both(stock, fused, ids, mask, max_new_tokens=60, do_sample=False,
+                 stopping_criteria=StoppingCriteriaList([StopAfter()]))
+    _assert_same(a, b)
+    assert b.sequences.shape[1] == 6 + stop_after
+    cache = _cache_of(b)
+    if cache._overrun:
+        with pytest.raises(RuntimeError, match="past the end"):
+            with torch.no_grad():
+                fused(input_ids=ids[:, :1], **{modeling._GENERATE_CACHE_KW: cache})
