@@ -274,3 +274,18 @@ def test_all_rows_stopping_early_cuts_the_extra_steps(stop_after):
         with pytest.raises(RuntimeError, match="past the end"):
             with torch.no_grad():
                 fused(input_ids=ids[:, :1], **{modeling._GENERATE_CACHE_KW: cache})
+
+
+def test_model_dispatched_over_devices_decodes_stock(caplog):
+    """Issue 7: a model spread over several devices by device_map keeps the fused layers but decodes with the
+    stock cache (the captured step runs on one device), said once."""
+    stock, fused = stock_and_fused_lm(seed=0)
+    fused.hf_device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu:1"}
+    ids, mask = _prompts(2, 6)
+    with caplog.at_level(logging.WARNING):
+        a, b = _both(stock, fused, ids, mask, max_new_tokens=5, do_sample=False)
+        _both(stock, fused, ids, mask, max_new_tokens=5, do_sample=False)
+    assert not isinstance(_cache_of(b), modeling.FusedDecodeCache)
+    messages = [r.getMessage() for r in caplog.records if "several devices" in r.getMessage()]
+    assert len(messages) == 1
+    assert torch.equal(a.sequences, b.sequences)
