@@ -266,6 +266,45 @@ def profile_forward(models: dict, T: int, device, vocab, rows: int = 12) -> dict
     return out
 
 
+def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, device, vocab, rows: int = 12) -> dict:
+    """Per generated token under the torch profiler, for each decode variant (stock, fused without and with CUDA
+    graphs): kernels and summed GPU time per token (the profile of a `new_tokens` call minus that of a 1-token call,
+    so the prefill cancels), and the top kernels of the longer call. Kernels replayed from a CUDA graph are recorded
+    individually by CUPTI."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(3, vocab, (batch, prompt_len), device=device)
+    variants = [("stock", models["stock"], None), ("fused-eager", models["fused"], False),
+                ("fused", models["fused"], True)]
+    out = {}
+    for name, model, graphs in variants:
+        if graphs is not None:
+            saved = model.config.cuda_graphs
+            model.config.cuda_graphs = graphs
+        stats = {}
+        for n in (1, new_tokens):
+            with torch.inference_mode():
+                model.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+                torch.cuda.synchronize()
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+                    torch.cuda.synchronize()
+            gpu = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+            stats[n] = (sum(e.count for e in gpu), sum(e.self_device_time_total for e in gpu), gpu)
+        if graphs is not None:
+            model.config.cuda_graphs = saved
+        (k1, t1, _), (kn, tn, gpu) = stats[1], stats[new_tokens]
+        per = new_tokens - 1
+        top = sorted(gpu, key=lambda e: -e.self_device_time_total)[:rows]
+        out[name] = {"kernels_per_token": (kn - k1) / per, "gpu_ms_per_token": (tn - t1) / per / 1e3,
+                     "top": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3)) for e in top]}
+        log(f"profile decode batch={batch} {name}: {out[name]['kernels_per_token']:.0f} kernels, "
+            f"{out[name]['gpu_ms_per_token']:.3f} ms GPU per token")
+        for key, count, ms in out[name]["top"]:
+            print(f"    gpu {ms:8.3f} ms  x{count:<5d} {key}")
+    return out
+
+
 def peak_memory(models: dict, T: int, device, vocab) -> dict:
     if device.type != "cuda":
         return {}
@@ -364,7 +403,7 @@ def main(argv=None):
     p.add_argument("--model", default=None, help="folder or Hub id instead of --shapes")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--lengths", default="128,512,2048")
+    p.add_argument("--lengths", default="128,512,2048", help="forward lengths; '' runs decode only")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--requests", type=int, default=60, help="size of the request set (0: skip)")
     p.add_argument("--max-request-len", type=int, default=4096)
@@ -372,6 +411,7 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--profile", default="", help="comma list of lengths to profile (GPU): kernel counts, top kernels")
+    p.add_argument("--profile-decode", default="", help="comma list of batch sizes whose decode step to profile (GPU)")
     p.add_argument("--out", default="out/bench")
     args = p.parse_args(argv)
 
@@ -406,9 +446,13 @@ def main(argv=None):
             r["requests"] = request_set(models, request_lengths(args.requests, args.max_request_len), device, vocab, timer)
         r["decode"] = {b: decode_speed(models, int(b), args.prompt_len, args.new_tokens, device, vocab)
                        for b in args.decode_batches.split(",") if b}
-        r["memory"] = peak_memory(models, max(lengths), device, vocab)
+        if lengths:  # --lengths '' skips the forward runs (decode only)
+            r["memory"] = peak_memory(models, max(lengths), device, vocab)
         if args.profile and device.type == "cuda":
             r["profile"] = {T: profile_forward(models, int(T), device, vocab) for T in args.profile.split(",")}
+        if args.profile_decode and device.type == "cuda":
+            r["profile_decode"] = {b: profile_decode(models, int(b), args.prompt_len, args.new_tokens, device, vocab)
+                                   for b in args.profile_decode.split(",")}
         ceil = results["ceilings"]
         r["floors"] = {"forward_ms": {str(T): 2 * (counts["body"] * T + counts["lm_head"]) / ceil["bf16_flops_per_s"] * 1e3 for T in lengths},
                        "decode_ms": counts["weight_bytes"] / ceil["copy_bytes_per_s"] * 1e3} if ceil else {}

@@ -68,3 +68,13 @@ def test_pipeline_text_generation_with_remote_code():
     assert text == tok.decode(ref[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     chat = pipe([{"role": "user", "content": "What does len() return?"}], max_new_tokens=4, do_sample=False)
     assert chat[0]["generated_text"][-1]["role"] == "assistant"
+
+
+def test_benchmark_decode_only_on_cpu(tmp_path):
+    """`--lengths ''` skips the forward runs; decode reports stock, fused without graphs and fused."""
+    benchmark_latency.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "",
+                            "--requests", "0", "--decode-batches", "2", "--new-tokens", "3", "--out", str(tmp_path)])
+    tiny = json.loads((tmp_path / "results.json").read_text())["models"]["tiny"]
+    assert tiny["forward"] == {"stock": {}, "fused": {}} and "memory" not in tiny
+    assert set(tiny["decode"]["2"]) == {"stock", "fused-eager", "fused"}
+    assert "| tiny | 2 |" in (tmp_path / "results.md").read_text()
