@@ -397,6 +397,43 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_decode(results: dict, path: Path) -> bool:
+    """Decode ms per token (log scale) per model and batch: stock, fused without graphs, fused + CUDA graphs, and the
+    weight-read floor. Returns False (and writes nothing) when the results have no decode rows."""
+    rows = [(f"{name}\nbatch {b}", d, (r.get("floors") or {}).get("decode_ms"))
+            for name, r in results["models"].items() for b, d in r.get("decode", {}).items()]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    kinds = [("stock", "C7"), ("fused-eager", "C1"), ("fused", "C0")]
+    width = 0.8 / len(kinds)
+    for k, (kind, color) in enumerate(kinds):
+        xs = [i + (k - 1) * width for i, (_, d, _) in enumerate(rows) if kind in d]
+        ys = [d[kind]["ms_per_token"] for _, d, _ in rows if kind in d]
+        label = {"fused-eager": "fused, no graphs", "fused": "fused + CUDA graphs"}.get(kind, kind)
+        ax.bar(xs, ys, width, color=color, label=label)
+    for i, (_, _, floor) in enumerate(rows):
+        if floor:
+            ax.hlines(floor, i - 0.45, i + 0.45, colors="k", linestyles=":", label="weight-read floor" if i == 0 else None)
+    ax.set_xticks(range(len(rows)), [label for label, _, _ in rows], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per generated token")
+    ax.set_title(f"Qwen3.5 generate(): stock vs fused ({results['meta']['device_name']})")
+    ax.grid(True, axis="y", alpha=0.3)
+    low, high = ax.get_ylim()
+    ax.set_ylim(low, high * 8)  # room for the legend above the bars
+    ax.legend(fontsize=7, ncol=4, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="0.8B,4B", help="comma list of real shapes (0.8B,4B,9B,27B) or 'tiny'")
@@ -466,6 +503,7 @@ def main(argv=None):
     md = to_markdown(results)
     (out / "results.md").write_text(md)
     plot(results, out / "latency.png")
+    plot_decode(results, out / "decode.png")
     print(md)
     return results
 

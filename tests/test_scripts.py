@@ -78,3 +78,4 @@ def test_benchmark_decode_only_on_cpu(tmp_path):
     assert tiny["forward"] == {"stock": {}, "fused": {}} and "memory" not in tiny
     assert set(tiny["decode"]["2"]) == {"stock", "fused-eager", "fused"}
     assert "| tiny | 2 |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "decode.png").stat().st_size > 1000
