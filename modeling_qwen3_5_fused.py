@@ -23,6 +23,11 @@ The path is decided once per module and call kind: fused where the kernels cover
 ``forward`` (announced once, with the reason). The stock path is taken without fused kernels (``fused_kernels``
 off), on CPU, without triton / flash-linear-attention, in training mode, with gradients enabled, and for inputs the
 fused path does not cover yet. ``describe()`` reports what runs where.
+
+Decode. For greedy and sampling ``generate`` calls the model hands generate a :class:`FusedDecodeCache` (fixed-address
+conv, recurrent and K/V buffers); the fused prefill fills it, and every later token is one fused step over those
+buffers (``_DecodeState.step``), replayed from a CUDA graph when ``cuda_graphs`` is on, inside a lean generate loop
+(``_fused_sample``). Other generation modes keep the stock cache and decode code (announced once).
 """
 
 import contextlib
@@ -322,8 +327,9 @@ class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
     fla's chunked gated delta rule (gate from ``A_log`` / ``dt_bias``, beta sigmoid, q/k L2 norm and grouped value
     heads inside the kernel) → fla's gated RMSNorm → ``out_proj``.
 
-    Covers forwards without a cache and the prefill that fills an empty cache; a call that continues from a cached
-    state (decode, chunked prefill) runs the stock code.
+    Covers forwards without a cache and the prefill that fills an empty cache. A call that continues from a stock
+    cache's state (decode outside the fused generate path, chunked prefill) runs the stock code; decode on a
+    :class:`FusedDecodeCache` runs ``_DecodeState._deltanet_step`` instead of this forward.
     """
 
     _fused_kind = "linear_attention"
