@@ -514,6 +514,21 @@ class _DecodeState:
     def drop_graph(self) -> None:
         self.graph, self.graph_out, self.graph_weights, self.warm = None, None, None, False
 
+    def load_positions(self, position_ids, past: int, seq_len: int, advance: int) -> None:
+        """Set ``positions`` [3, B, 1] to the last of ``position_ids`` plus ``advance``, reading them as stock's text
+        model does: None -> ``past + t`` for every section; [B, T] -> text positions for all three mRoPE
+        sections; [4, B, T] -> the text row first, then the sections; [3, B, T] -> the sections."""
+        if position_ids is None:
+            self.positions.fill_(past + seq_len - 1 + advance)
+            return
+        if position_ids.dim() == 2:
+            last = position_ids[None, :, -1:]
+        elif position_ids.shape[0] == 4:
+            last = position_ids[1:, :, -1:]
+        else:
+            last = position_ids[..., -1:]
+        self.positions.copy_(last + advance if advance else last)
+
     # -- the step ----------------------------------------------------------------------------------------------------
 
     def step(self, text_model) -> torch.Tensor:
@@ -814,15 +829,7 @@ class FusedDecodeCache(Cache):
         else:
             st.key_valid[:, :seq_len].copy_(attention_mask.bool())
         st.slot.fill_(seq_len)
-        # the first generated token's positions: one past the prompt's last (stock's rule, per mRoPE section)
-        if position_ids is None:
-            st.positions.fill_(seq_len)
-        elif position_ids.dim() == 2:
-            st.positions.copy_(position_ids[None, :, -1:] + 1)
-        elif position_ids.shape[0] == 4:
-            st.positions.copy_(position_ids[1:, :, -1:] + 1)
-        else:
-            st.positions.copy_(position_ids[..., -1:] + 1)
+        st.load_positions(position_ids, 0, seq_len, advance=1)  # the first generated token: one past the prompt
         return out
 
     def next_token(self, text_model, tokens: torch.Tensor) -> torch.Tensor:
@@ -843,16 +850,7 @@ class FusedDecodeCache(Cache):
             st.embeds.copy_(inputs_embeds)
         else:
             torch.index_select(text_model.embed_tokens.weight, 0, input_ids.reshape(-1), out=st.embeds.view(st.batch, -1))
-        # the positions as stock's text model reads them: none -> the cache length; [B, 1] -> text positions for
-        # all three mRoPE sections; [4, B, 1] -> text row first; [3, B, 1] -> the sections
-        if position_ids is None:
-            st.positions.fill_(self._seq_len)
-        elif position_ids.dim() == 2:
-            st.positions.copy_(position_ids[None, :, -1:])
-        elif position_ids.shape[0] == 4:
-            st.positions.copy_(position_ids[1:, :, -1:])
-        else:
-            st.positions.copy_(position_ids[..., -1:])
+        st.load_positions(position_ids, self._seq_len, 1, advance=0)
 
 
 # Steps between the host's checks that every row has stopped (EOS): each check waits for the GPU, so checking every

@@ -118,6 +118,33 @@ def test_bucket_grows_with_length():
     assert _cache_of(b).max_cache_len == 512
 
 
+@pytest.mark.parametrize("positions", ["none", "2d", "4d"])
+def test_forward_continues_a_returned_cache_like_stock(positions):
+    """The model's forward on a returned fused cache (one token at a time, as stock `_sample` drives it under
+    synced_gpus) matches stock's forward on its own cache, for each form of position ids stock accepts."""
+    stock, fused = stock_and_fused_lm(seed=4)
+    ids, mask = _prompts(2, 6)
+    a, b = _both(stock, fused, ids, mask, max_new_tokens=3, do_sample=False)
+    caches = {"stock": _cache_of(a), "fused": _cache_of(b)}
+    seq, pos = a.sequences, (mask.cumsum(-1) - 1).clamp_min(0)[:, -1:] + 2  # position of the last token in seq
+    full_mask = torch.cat([mask, torch.ones(2, 2, dtype=mask.dtype)], dim=-1)
+    for step in range(3):
+        tok = seq[:, -1:] if step == 0 else nxt
+        kw = {}
+        if positions == "2d":
+            kw["position_ids"] = pos + step
+        elif positions == "4d":
+            kw["position_ids"] = (pos + step)[None].expand(4, -1, -1)
+        full_mask = torch.cat([full_mask, torch.ones(2, 1, dtype=mask.dtype)], dim=-1)
+        with torch.no_grad():
+            want = helpers.run_stock(stock, input_ids=tok, attention_mask=full_mask,
+                                     **{modeling._GENERATE_CACHE_KW: caches["stock"]}, **kw).logits
+            got = fused(input_ids=tok, attention_mask=full_mask, **{modeling._GENERATE_CACHE_KW: caches["fused"]},
+                        **kw).logits
+        assert rel_err(got, want) <= SCORE_BOUND, step
+        nxt = want[:, -1].argmax(-1, keepdim=True)
+
+
 def test_stale_cache_refuses_to_run():
     stock, fused = stock_and_fused_lm(seed=0)
     ids, mask = _prompts(2, 5)
