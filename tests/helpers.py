@@ -54,6 +54,12 @@ def run_stock(model, *args, **kwargs):
         return model(*args, **kwargs)
 
 
+def cache_of(generate_output):
+    """The cache a `generate(..., return_dict_in_generate=True)` output carries (field `cache` from transformers
+    5.2x, `past_key_values` before)."""
+    return getattr(generate_output, "cache", None) or getattr(generate_output, "past_key_values", None)
+
+
 def generate_stock(model, *args, **kwargs):
     with modeling._torch_reference_kernels():
         return model.generate(*args, **kwargs)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import helpers
-from helpers import composite_kwargs, generate_stock, modeling, rel_err, stock_and_fused_lm
+from helpers import cache_of, composite_kwargs, generate_stock, modeling, rel_err, stock_and_fused_lm
 
 REPO = Path(__file__).resolve().parents[1]
 # fp32 on CPU: the references round as stock does; SDPA over the preallocated (masked) length sums in another order
@@ -39,10 +39,6 @@ def _prompts(batch=3, length=7, seed=1, pad_rows=((0, 3), (1, 1))):
             ids[row, :n] = 0
             mask[row, :n] = 0
     return ids, mask
-
-
-def _cache_of(out):
-    return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
 
 
 def _both(stock, fused, ids, mask=None, seed=None, **kw):
@@ -74,8 +70,8 @@ def test_greedy_matches_stock(batch, length, new):
     if length == 1:
         mask = None
     a, b = _both(stock, fused, ids, mask, max_new_tokens=new, do_sample=False)
-    assert isinstance(_cache_of(b), modeling.FusedDecodeCache)
-    assert _cache_of(b).get_seq_length() == length + new - 1
+    assert isinstance(cache_of(b), modeling.FusedDecodeCache)
+    assert cache_of(b).get_seq_length() == length + new - 1
     _assert_same(a, b)
     assert fused.describe()["decode"]["path"] == "fused"
 
@@ -85,7 +81,7 @@ def test_sampling_matches_stock():
     ids, mask = _prompts(3, 9)
     a, b = _both(stock, fused, ids, mask, seed=7, max_new_tokens=16, do_sample=True, temperature=0.7, top_k=20,
                  top_p=0.9)
-    assert isinstance(_cache_of(b), modeling.FusedDecodeCache)
+    assert isinstance(cache_of(b), modeling.FusedDecodeCache)
     _assert_same(a, b)
 
 
@@ -115,7 +111,7 @@ def test_bucket_grows_with_length():
     ids, mask = _prompts(1, 250, pad_rows=())
     a, b = _both(stock, fused, ids, mask, max_new_tokens=10, do_sample=False)
     _assert_same(a, b)
-    assert _cache_of(b).max_cache_len == 512
+    assert cache_of(b).max_cache_len == 512
 
 
 @pytest.mark.parametrize("positions", ["none", "2d", "4d"])
@@ -125,7 +121,7 @@ def test_forward_continues_a_returned_cache_like_stock(positions):
     stock, fused = stock_and_fused_lm(seed=4)
     ids, mask = _prompts(2, 6)
     a, b = _both(stock, fused, ids, mask, max_new_tokens=3, do_sample=False)
-    caches = {"stock": _cache_of(a), "fused": _cache_of(b)}
+    caches = {"stock": cache_of(a), "fused": cache_of(b)}
     seq, pos = a.sequences, (mask.cumsum(-1) - 1).clamp_min(0)[:, -1:] + 2  # position of the last token in seq
     full_mask = torch.cat([mask, torch.ones(2, 2, dtype=mask.dtype)], dim=-1)
     for step in range(3):
@@ -152,7 +148,7 @@ def test_stale_cache_refuses_to_run():
     _both(stock, fused, ids, mask, max_new_tokens=3, do_sample=False)  # same bucket: takes the buffers over
     with pytest.raises(RuntimeError, match="earlier generate"):
         with torch.no_grad():
-            fused(input_ids=ids[:, :1], **{modeling._GENERATE_CACHE_KW: _cache_of(first)})
+            fused(input_ids=ids[:, :1], **{modeling._GENERATE_CACHE_KW: cache_of(first)})
 
 
 def test_continuing_with_several_tokens_is_refused():
@@ -162,7 +158,7 @@ def test_continuing_with_several_tokens_is_refused():
         out = fused.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
                              return_dict_in_generate=True)
         with pytest.raises(NotImplementedError, match="one token at a time"):
-            fused(input_ids=ids[:, :3], **{modeling._GENERATE_CACHE_KW: _cache_of(out)})
+            fused(input_ids=ids[:, :3], **{modeling._GENERATE_CACHE_KW: cache_of(out)})
 
 
 @pytest.mark.parametrize("case", ["beam", "cache_passed", "static", "hidden_states"])
@@ -190,7 +186,7 @@ def test_fallbacks_are_announced_and_correct(case, caplog):
                                    **kw)
         else:
             a, b = _both(stock, fused, ids, mask, **kw)
-    assert not isinstance(_cache_of(b), modeling.FusedDecodeCache)
+    assert not isinstance(cache_of(b), modeling.FusedDecodeCache)
     messages = [r.getMessage() for r in caplog.records if "decodes with the stock" in r.getMessage()]
     assert len(messages) == 1 and expect in messages[0], messages
     assert torch.equal(a.sequences, b.sequences)
@@ -206,7 +202,7 @@ def test_composite_model_generates_fused():
     stock.load_state_dict(fused.state_dict())
     ids, mask = _prompts(2, 8)
     a, b = _both(stock, fused, ids, mask, max_new_tokens=10, do_sample=False)
-    assert isinstance(_cache_of(b), modeling.FusedDecodeCache)
+    assert isinstance(cache_of(b), modeling.FusedDecodeCache)
     _assert_same(a, b)
 
 
@@ -221,7 +217,7 @@ def test_moving_the_model_frees_decode_buffers():
     assert fused.describe()["decode"]["buckets"] == []
     with pytest.raises(RuntimeError, match="earlier generate"):
         with torch.no_grad():
-            fused(input_ids=ids[:, :1], **{modeling._GENERATE_CACHE_KW: _cache_of(out)})
+            fused(input_ids=ids[:, :1], **{modeling._GENERATE_CACHE_KW: cache_of(out)})
     fused.set_fused_kernels(False)
     assert fused.describe()["decode"]["path"] == "stock"
 
@@ -277,7 +273,7 @@ def test_generate_runs_the_fused_loop_once_prefilled(monkeypatch):
     a, b = _both(stock, fused, ids, mask, max_new_tokens=9, do_sample=False)
     _assert_same(a, b)
     assert calls == {"run": 1, "loop": 1}
-    assert _cache_of(b).get_seq_length() == 6 + 8
+    assert cache_of(b).get_seq_length() == 6 + 8
 
 
 @pytest.mark.parametrize("stop_after", [1, 5, modeling._STOP_CHECK_EVERY + 3])
@@ -296,7 +292,7 @@ def test_all_rows_stopping_early_cuts_the_extra_steps(stop_after):
                  stopping_criteria=StoppingCriteriaList([StopAfter()]))
     _assert_same(a, b)
     assert b.sequences.shape[1] == 6 + stop_after
-    cache = _cache_of(b)
+    cache = cache_of(b)
     if cache._overrun:
         with pytest.raises(RuntimeError, match="past the end"):
             with torch.no_grad():
@@ -312,7 +308,7 @@ def test_model_dispatched_over_devices_decodes_stock(caplog):
     with caplog.at_level(logging.WARNING):
         a, b = _both(stock, fused, ids, mask, max_new_tokens=5, do_sample=False)
         _both(stock, fused, ids, mask, max_new_tokens=5, do_sample=False)
-    assert not isinstance(_cache_of(b), modeling.FusedDecodeCache)
+    assert not isinstance(cache_of(b), modeling.FusedDecodeCache)
     messages = [r.getMessage() for r in caplog.records if "several devices" in r.getMessage()]
     assert len(messages) == 1
     assert torch.equal(a.sequences, b.sequences)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import modeling, padded_batch, rel_err, stock_and_fused_lm
+from helpers import cache_of, modeling, padded_batch, rel_err, stock_and_fused_lm
 
 pytestmark = pytest.mark.cuda
 REPO = Path(__file__).resolve().parents[1]
@@ -54,10 +54,6 @@ def _generate(model, ids, mask, **kw):
         return model.generate(input_ids=ids.cuda(), attention_mask=None if mask is None else mask.cuda(), **kw)
 
 
-def _cache_of(out):
-    return getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-
-
 def _check_steps(a, b, bound, upto=None):
     for step, (x, y) in enumerate(zip(b.scores[:upto], a.scores[:upto])):
         assert rel_err(x.float(), y.float()) <= bound, step
@@ -71,7 +67,7 @@ def test_random_fp32_128_tokens_identical(batch, padding, graphs):
     ids, mask = padded_batch(batch, 21, padding)
     a = _generate(stock, ids, mask, max_new_tokens=128)
     b = _generate(fused, ids, mask, max_new_tokens=128)
-    assert isinstance(_cache_of(b), modeling.FusedDecodeCache)
+    assert isinstance(cache_of(b), modeling.FusedDecodeCache)
     assert torch.equal(a.sequences, b.sequences)
     _check_steps(a, b, BOUND[torch.float32])
     buckets = fused.describe()["decode"]["buckets"]
