@@ -491,7 +491,11 @@ class _DecodeState:
         config = text_model.config
         self.batch, self.max_len, self.dtype, self.device = batch, max_len, dtype, device
         self.conv, self.recurrent, self.keys, self.values = {}, {}, {}, {}
+        # A model dispatched over several GPUs (device_map) keeps each layer's buffers on that layer's device.
+        self.layer_devices = [layer.input_layernorm.weight.device for layer in text_model.layers[: config.num_hidden_layers]]
+        self.multi_device = any(d != device for d in self.layer_devices) or text_model.norm.weight.device != device
         for i, layer in enumerate(text_model.layers[: config.num_hidden_layers]):
+            device = self.layer_devices[i]
             if layer.block_type == "linear_attention":
                 m = layer.linear_attn
                 self.conv[i] = torch.zeros(batch, m.conv_dim, m.conv_kernel_size, dtype=dtype, device=device)
@@ -502,6 +506,7 @@ class _DecodeState:
                 shape = (batch, config.num_key_value_heads, max_len, layer.self_attn.head_dim)
                 self.keys[i] = torch.zeros(shape, dtype=dtype, device=device)
                 self.values[i] = torch.zeros(shape, dtype=dtype, device=device)
+        device = self.device
         self.embeds = torch.zeros(batch, 1, config.hidden_size, dtype=dtype, device=device)
         self.positions = torch.zeros(3, batch, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
@@ -540,8 +545,18 @@ class _DecodeState:
         mask = self.key_valid.view(B, 1, 1, self.max_len)
         h = self.embeds  # the residual stream
         cos, sin = text_model.rotary_emb(h, self.positions)
+        if self.multi_device:  # the rotary module may sit on another device than the embeddings
+            cos, sin = cos.to(self.device), sin.to(self.device)
         mlp_out = None  # each layer's MLP output is added to the stream inside the next norm (one launch, not two)
+        step_inputs = {self.device: (cos, sin, mask, self.slot)}
         for i, layer in enumerate(text_model.layers[: text_model.config.num_hidden_layers]):
+            if self.multi_device and h.device != self.layer_devices[i]:  # device_map: follow the layer
+                dev = self.layer_devices[i]
+                h = h.to(dev)
+                mlp_out = None if mlp_out is None else mlp_out.to(dev)
+                if dev not in step_inputs:
+                    step_inputs[dev] = tuple(t.to(dev) for t in step_inputs[self.device])
+            cos, sin, mask, slot = step_inputs[h.device]
             ln = layer.input_layernorm
             if mlp_out is None:
                 x = rms_norm(h, ln.weight, ln.eps)
@@ -550,13 +565,16 @@ class _DecodeState:
             if layer.block_type == "linear_attention":
                 y = self._deltanet_step(layer.linear_attn, x, i)
             else:
-                y = self._attention_step(layer.self_attn, x, cos, sin, mask, i)
+                y = self._attention_step(layer.self_attn, x, cos, sin, mask, slot, i)
             ln = layer.post_attention_layernorm
             x, h = rms_norm(y, ln.weight, ln.eps, residual=h)
             mlp_out = layer.mlp(x)
         self.slot.add_(1)
         self.positions.add_(1)  # every mRoPE section of a generated (text) token moves on by one
-        return rms_norm(mlp_out, text_model.norm.weight, text_model.norm.eps, residual=h)[0]
+        norm = text_model.norm
+        if h.device != norm.weight.device:
+            h, mlp_out = h.to(norm.weight.device), mlp_out.to(norm.weight.device)
+        return rms_norm(mlp_out, norm.weight, norm.eps, residual=h)[0]
 
     def _deltanet_step(self, m, x, i):
         B = self.batch
@@ -580,15 +598,15 @@ class _DecodeState:
         )
         return m.out_proj(core.view(B, 1, -1))
 
-    def _attention_step(self, m, x, cos, sin, mask, i):
+    def _attention_step(self, m, x, cos, sin, mask, slot, i):
         B = self.batch
         H, KV, D = m.config.num_attention_heads, m.config.num_key_value_heads, m.head_dim
         w, bias = m._packed_weight()
         qkv = F.linear(x, w, bias)  # [B, 1, N]
         q, k, v, gate = attn_prep(qkv, cos, sin, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps, H, KV, D)
         keys, values = self.keys[i], self.values[i]
-        keys.index_copy_(2, self.slot, k)
-        values.index_copy_(2, self.slot, v)
+        keys.index_copy_(2, slot, k)
+        values.index_copy_(2, slot, v)
         # The H query heads of one token, grouped by their KV head ([B, KV, H/KV, D]), attend over the whole
         # preallocated length; the mask keeps the keys written so far that are not padding.
         o = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, D), keys, values, attn_mask=mask, scale=m.scaling)
@@ -838,7 +856,8 @@ class FusedDecodeCache(Cache):
         st = self._buffers()
         if self._seq_len >= st.max_len:
             raise ValueError(f"The fused decode cache holds {st.max_len} tokens and is full.")
-        torch.index_select(text_model.embed_tokens.weight, 0, tokens, out=st.embeds.view(st.batch, -1))
+        weight = text_model.embed_tokens.weight
+        torch.index_select(weight, 0, tokens.to(weight.device), out=st.embeds.view(st.batch, -1))
         out = st.decode(text_model, self._use_graph)
         self._seq_len += 1
         return out
@@ -912,7 +931,7 @@ def _fused_sample(model, cache, input_ids, logits_processor, stopping_criteria, 
                 break
             if at_max:
                 break
-        logits = model.lm_head(cache.next_token(text_model, next_tokens))[:, -1].float()
+        logits = model.lm_head(cache.next_token(text_model, next_tokens))[:, -1].to(device=input_ids.device, dtype=torch.float32)
 
     if stop_at is not None and stop_at < input_ids.shape[1] - prompt_len:
         extra = input_ids.shape[1] - prompt_len - stop_at
@@ -943,6 +962,13 @@ class _FusedTextForward:
         cache = next((kwargs[kw] for kw in _CACHE_KWS if kwargs.get(kw) is not None), None)
         if isinstance(cache, FusedDecodeCache):
             return cache.run(self, **kwargs)
+        blocker = _forward_graph_blocker(self, kwargs)
+        if blocker is None:
+            out = _graphed_forward(self, kwargs)
+            if out is not None:
+                return out
+        elif blocker:
+            _announce(f"forward-graph/{blocker}", f"Qwen3.5 fused kernels: forward without CUDA graphs because {blocker}.")
         return super().forward(**kwargs)
 
 
@@ -977,7 +1003,9 @@ def _fuse_text_model(text_model: Qwen3_5TextModel, config) -> None:
 
 
 def _release_decode_states(text_model) -> None:
-    """Free the decode buffers and CUDA graphs (after a move, a dtype change or a switch of the fused path)."""
+    """Free the decode buffers and CUDA graphs, and the forward graphs (after a move, a dtype change or a switch of
+    the fused path)."""
+    _release_forward_graphs(text_model)
     states = text_model.__dict__.get("_decode_states")
     if states:
         for state in states.values():
@@ -1003,6 +1031,197 @@ def _decode_state(text_model, batch: int, max_len: int) -> _DecodeState:
     if state.graph and state.graph_weights != _weights_key(text_model):
         state.drop_graph()  # a parameter was replaced since the capture: capture again
     return state
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Forward CUDA graphs: the no-cache forward (scoring, classification, eval harnesses) captured per length bucket
+# --------------------------------------------------------------------------------------------------------------------
+
+# Longest input (tokens) whose forward is captured; longer forwards run the fused kernels eagerly.
+_FORWARD_GRAPH_MAX_LEN = 8192
+# Captured forwards kept per model (least recently used freed first). They share one memory pool, so the pool is as
+# large as the largest bucket's activations, not their sum.
+_MAX_FORWARD_GRAPHS = 16
+# A bucket is captured on its second call: a length seen once runs eagerly, at its own length.
+_FORWARD_GRAPH_AFTER = 2
+
+
+def _forward_len_bucket(seq_len: int) -> int:
+    """Inputs are right-padded to this length. Steps of 1/8 of the enclosing power of two (at least 64), so the padding
+    costs at most ~12% of the compute beyond 512 tokens, and a few dozen buckets cover 1..8192.
+
+    Right padding is exact for the real positions: attention is causal and the conv / delta rule only look back."""
+    if seq_len <= 64:
+        return 64
+    step = max(64, (1 << (seq_len - 1).bit_length()) // 8)
+    return -(-seq_len // step) * step
+
+
+class _ForwardGraph:
+    """One captured no-cache forward of the text backbone, for one (batch, length bucket, input kind).
+
+    ``inputs``: ``[B, L]`` token ids or ``[B, L, hidden]`` embeddings at a fixed address; the caller's ``[B, T]`` input
+    is copied into its head and the tail keeps whatever the last call left there (causality makes it irrelevant).
+    ``out``: the captured ``[B, L, hidden]`` final hidden states; each call returns a copy of ``out[:, :T]``.
+    Off CUDA (the CPU emulation in the tests) the same padded forward runs eagerly, with no capture.
+    """
+
+    def __init__(self, text_model, batch: int, length: int, embeds: bool):
+        weight = text_model.embed_tokens.weight
+        with torch.inference_mode(False):  # written in place under no_grad and inference_mode alike
+            if embeds:
+                self.inputs = torch.zeros(batch, length, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            else:
+                self.inputs = torch.zeros(batch, length, dtype=torch.long, device=weight.device)
+        self.embeds = embeds
+        self.graph = None
+        self.out = None
+        self.weights = None
+        self.masks = None
+
+    def _build_masks(self, text_model) -> dict:
+        """The stock forward's mask mapping for the padded bucket, built once, eagerly. Built inside the capture,
+        transformers cannot read the position ids to rule out packed sequences (reading them is a host sync), so it
+        materialises a full [L, L] mask and SDPA loses its causal fast path (measured 3x slower attention)."""
+        batch, length = self.inputs.shape[:2]
+        weight = text_model.embed_tokens.weight
+        shaped = torch.empty(batch, length, 1, dtype=weight.dtype, device=weight.device)  # shape / dtype / device only
+        kw = {
+            "config": text_model.config,
+            "inputs_embeds": shaped.expand(batch, length, weight.shape[1]),
+            "attention_mask": None,
+            _MASK_CACHE_KW: None,
+            "position_ids": torch.arange(length, device=weight.device).expand(batch, length),
+        }
+        return {
+            "full_attention": stock.create_causal_mask(**kw),
+            "linear_attention": stock.create_recurrent_attention_mask(**kw),
+        }
+
+    def _forward(self, text_model) -> torch.Tensor:
+        kw = {"inputs_embeds" if self.embeds else "input_ids": self.inputs}
+        return Qwen3_5TextModel.forward(
+            text_model, **kw, attention_mask=self.masks, use_cache=False
+        ).last_hidden_state
+
+    def run(self, text_model, x: torch.Tensor, pool) -> torch.Tensor:
+        seq_len = x.shape[1]
+        self.inputs[:, :seq_len].copy_(x)
+        if self.masks is None:
+            self.masks = self._build_masks(text_model)
+        if self.inputs.device.type != "cuda":
+            return self._forward(text_model)[:, :seq_len].clone()
+        if self.graph is None:
+            self._capture(text_model, pool)
+        if self.graph is False:
+            return None  # capture failed (announced): the caller runs the eager forward at the input's own length
+        self.graph.replay()
+        return self.out[:, :seq_len].clone()
+
+    def _capture(self, text_model, pool) -> None:
+        for module in text_model.modules():  # pack outside the capture, so no packing allocates inside it
+            if isinstance(module, _FusedModule) and module._fused_groups:
+                module._packed_weight()
+        self._forward(text_model)  # warm at the padded shape: every autotuned / JIT kernel compiled before capture
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(text_model)
+        except Exception as err:  # noqa: BLE001 - any capture failure: this bucket runs eagerly, said once
+            self.graph = False
+            _announce(
+                f"forward-graph-capture/{type(err).__name__}",
+                f"Qwen3.5 fused kernels: CUDA graph capture of the forward failed ({type(err).__name__}: {err}); "
+                "running the fused forward without graphs.",
+            )
+            return
+        self.graph, self.out, self.weights = graph, out, _weights_key(text_model)
+
+    def drop(self) -> None:
+        self.graph = self.out = self.masks = None
+
+
+_MASK_CACHE_KW = "cache" if "cache" in inspect.signature(stock.create_causal_mask).parameters else "past_key_values"
+# Arguments a graphed forward accepts, with the values it accepts them at (anything else runs eagerly, said once).
+_GRAPH_NEUTRAL_KWARGS = {"return_dict": (None, True), "output_attentions": (None, False),
+                         "output_hidden_states": (None, False), "cache_position": (None,)}
+
+
+def _forward_graph_blocker(text_model, kwargs: dict) -> str | None:
+    """One decision point for the graphed forward. ``""``: not applicable, silently (graphs off, or the fused path
+    itself is not taken, which the fused modules announce); a reason: announced once, then the eager fused forward."""
+    if not (text_model._fused_enabled and text_model._fused_unavailable is None):
+        return ""
+    if not resolve_switch(text_model.config, "cuda_graphs") or text_model.training or torch.is_grad_enabled():
+        return ""
+    ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    x = ids if ids is not None else embeds
+    if x is None or (ids is None) == (embeds is None) or x.device.type not in _FUSED_DEVICE_TYPES:
+        return ""
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(text_model.config, "use_cache", False)
+    if use_cache or any(kwargs.get(kw) is not None for kw in _CACHE_KWS):
+        return "the call uses a cache (pass use_cache=False to a scoring forward to get the graph)"
+    if x.shape[1] > _FORWARD_GRAPH_MAX_LEN:
+        return f"the input has {x.shape[1]} tokens, more than the {_FORWARD_GRAPH_MAX_LEN} captured"
+    if kwargs.get("position_ids") is not None:
+        return "position_ids were passed"
+    device = text_model.embed_tokens.weight.device
+    if text_model.norm.weight.device != device or any(
+        layer.input_layernorm.weight.device != device for layer in text_model.layers
+    ):
+        return "the model is split over several devices (device_map); one graph cannot span devices"
+    for name, value in kwargs.items():
+        if name in ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "use_cache", *_CACHE_KWS):
+            continue
+        if value not in _GRAPH_NEUTRAL_KWARGS.get(name, (None,)):
+            return f"the argument {name}={value!r}"
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            return "the attention mask is not a 2D padding mask"
+        if not bool(mask.all()):  # one host read per call: a padded batch runs eagerly
+            return "the batch is padded (attention_mask has zeros)"
+    return None
+
+
+def _graphed_forward(text_model, kwargs: dict) -> BaseModelOutputWithPast:
+    """The no-cache forward from the model's captured graph for this bucket (captured on the bucket's second call)."""
+    ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    x = ids if ids is not None else embeds
+    batch, seq_len = x.shape[:2]
+    weight = text_model.embed_tokens.weight
+    key = (batch, _forward_len_bucket(seq_len), embeds is not None, weight.dtype, weight.device)
+    graphs = text_model.__dict__.setdefault("_forward_graphs", {})
+    seen = text_model.__dict__.setdefault("_forward_graph_calls", {})
+    entry = graphs.pop(key, None)
+    if entry is None:
+        seen[key] = seen.pop(key, 0) + 1
+        while len(seen) > 4 * _MAX_FORWARD_GRAPHS:
+            seen.pop(next(iter(seen)))
+        if seen[key] < _FORWARD_GRAPH_AFTER:
+            return None
+        while len(graphs) >= _MAX_FORWARD_GRAPHS:
+            graphs.pop(next(iter(graphs))).drop()
+        entry = _ForwardGraph(text_model, batch, key[1], embeds is not None)
+    elif entry.graph and entry.weights != _weights_key(text_model):
+        entry.drop()  # a parameter was replaced since the capture: capture again
+    graphs[key] = entry  # most recently used last
+    if "_forward_graph_pool" not in text_model.__dict__ and weight.device.type == "cuda":
+        text_model._forward_graph_pool = torch.cuda.graph_pool_handle()
+    hidden = entry.run(text_model, x, text_model.__dict__.get("_forward_graph_pool"))
+    if hidden is None:
+        return None
+    return BaseModelOutputWithPast(last_hidden_state=hidden, **{_OUTPUT_CACHE_FIELD: None})
+
+
+def _release_forward_graphs(text_model) -> None:
+    for entry in (text_model.__dict__.get("_forward_graphs") or {}).values():
+        entry.drop()
+    text_model._forward_graphs = {}
+    text_model._forward_graph_calls = {}
+    text_model.__dict__.pop("_forward_graph_pool", None)
 
 
 def _tensor_parallel_requested(kwargs: dict) -> bool:
@@ -1080,9 +1299,6 @@ class _FusedPreTrainedMixin:
             return f"the model is on {device.type}"
         if self.training:
             return "the model is in training mode"
-        device_map = getattr(self, "hf_device_map", None) or {}
-        if len({str(d) for d in device_map.values()}) > 1:
-            return "the model is dispatched over several devices (device_map); the fused step runs on one device"
         if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
             return f"the generation mode is {getattr(generation_mode, 'value', generation_mode)} (fused: greedy and sampling)"
         if model_kwargs.get(_GENERATE_CACHE_KW) is not None:
@@ -1108,6 +1324,13 @@ class _FusedPreTrainedMixin:
                 batch = batch_size * max(1, generation_config.num_return_sequences or 1)
                 state = _decode_state(text_model, batch, _decode_len_bucket(max_cache_length + 1))
                 use_graph = resolve_switch(self._text_config(), "cuda_graphs") and state.device.type == "cuda"
+                if use_graph and state.multi_device:
+                    use_graph = False
+                    _announce(
+                        "decode-graph/multi-device",
+                        "Qwen3.5 fused kernels: the model is split over several devices (device_map); the fused decode "
+                        "step runs without CUDA graphs (one graph cannot span devices).",
+                    )
                 layer_types = text_model.config.layer_types[: text_model.config.num_hidden_layers]
                 model_kwargs[_GENERATE_CACHE_KW] = FusedDecodeCache(state, layer_types, use_graph)
                 return None
@@ -1192,7 +1415,7 @@ class _FusedPreTrainedMixin:
             ),
             "cuda_graphs": bool(graphs and reason is None and device.type == "cuda"),
             "falls_back": "beam search, assisted / contrastive decoding, a cache passed in, cache_implementation, "
-            "output_attentions / output_hidden_states, a model split over devices",
+            "output_attentions / output_hidden_states (a model split over devices decodes fused, without graphs)",
             "buckets": [
                 {"batch": st.batch, "max_len": st.max_len, "graph_captured": bool(st.graph), "cache_bytes": st.nbytes()}
                 for st in states.values()
@@ -1201,12 +1424,22 @@ class _FusedPreTrainedMixin:
         }
         if reason is None:
             kinds["linear_attention"]["falls_back"] = "decode steps outside generate()'s fused cache (stock cache)"
+        forward_graphs = {
+            "used": bool(graphs and reason is None and device.type == "cuda"),
+            "covers": f"forwards without a cache (use_cache=False), without padding or position_ids, up to "
+            f"{_FORWARD_GRAPH_MAX_LEN} tokens, under no_grad / inference_mode; captured on a bucket's second call",
+            "buckets": [
+                {"batch": key[0], "length": key[1], "inputs_embeds": key[2], "graph_captured": bool(entry.graph)}
+                for key, entry in (text_model.__dict__.get("_forward_graphs") or {}).items()
+            ],
+        }
         return {
             "fused_kernels": enabled,
             "cuda_graphs": graphs,
             "device": str(device),
             "layers": kinds,
             "decode": decode,
+            "forward_graphs": forward_graphs,
             "vision_tower": "stock" if hasattr(self._composite_model(), "visual") else None,
             "announced_fallbacks": sorted(_announced),
         }

@@ -16,6 +16,7 @@ forwards (2 x parameters x tokens / GEMM rate). Writes `results.json`, `results.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -31,8 +32,6 @@ from scripts.common import import_repo, real_text_kwargs, tiny_text_kwargs  # no
 
 def stock_cpu_guard(device):
     """Stock Qwen3.5 + fla sends CPU tensors to fla's Triton kernels (a crash); on CPU route them to torch."""
-    import contextlib
-
     if device.type != "cpu":
         return contextlib.nullcontext()
     return import_repo()[1]._torch_reference_kernels()
@@ -131,6 +130,19 @@ def build_pair(shape: str | None, model_id: str | None, device, dtype, seed: int
     return stock, fused
 
 
+def split_over_gpus(model, n: int):
+    """Dispatch `model` over GPUs 0..n-1 with accelerate (what `from_pretrained(device_map=...)` does): the decoder
+    layers in n equal runs, the embeddings on GPU 0, the final norm on the last GPU, the LM head with the embeddings
+    when they are tied, else on the last GPU."""
+    from accelerate import dispatch_model
+
+    layers = len(model.model.layers)
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": n - 1,
+                  "lm_head": 0 if model.config.tie_word_embeddings else n - 1}
+    device_map.update({f"model.layers.{i}": i * n // layers for i in range(layers)})
+    return dispatch_model(model, device_map=device_map)
+
+
 def param_counts(model) -> dict:
     """Parameter counts and bytes, each tensor counted once by its memory (tied or shared weights are one)."""
     unique = {p.data_ptr(): p for p in model.parameters()}.values()
@@ -146,22 +158,51 @@ def param_counts(model) -> dict:
 # ---------------------------------------------------------------------------------------------------------- runs
 
 
+def forward_variants(models: dict) -> list:
+    """(name, model, cuda_graphs) for the forward runs: stock, the fused kernels run eagerly, and the fused forward
+    replayed from its CUDA graphs (the fused model's `cuda_graphs` switch is set per call, so one model serves both)."""
+    variants = [("stock", models["stock"], None)]
+    if "fused" in models:
+        variants += [("fused-eager", models["fused"], False), ("fused", models["fused"], True)]
+    return variants
+
+
+@contextlib.contextmanager
+def graphs_switch(model, graphs):
+    if graphs is None:
+        yield
+        return
+    saved = model.config.cuda_graphs
+    model.config.cuda_graphs = graphs
+    try:
+        yield
+    finally:
+        model.config.cuda_graphs = saved
+
+
+def scoring_forward(model, graphs, ids, device):
+    """One no-cache forward with last-token logits (what a scoring / classification call does)."""
+    with torch.inference_mode(), stock_cpu_guard(device), graphs_switch(model, graphs):
+        return model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+
 def forward_latency(models: dict, lengths, batch, repeats, device, vocab, timer) -> dict:  # noqa: PLR0913
-    out = {name: {} for name in models}
+    """Median forward latency per length; each variant is called 3 times first (the fused forward's bucket is
+    captured on its second call), then the variants are timed interleaved, so drift hits all alike."""
+    variants = forward_variants(models)
+    out = {name: {} for name, _, _ in variants}
     for T in lengths:
         ids = torch.randint(0, vocab, (batch, T), device=device)
-        for name, model in models.items():
-            for _ in range(2):
-                with torch.inference_mode(), stock_cpu_guard(device):
-                    model(input_ids=ids, logits_to_keep=1)
-        times = {name: [] for name in models}
+        for name, model, graphs in variants:
+            for _ in range(3):
+                scoring_forward(model, graphs, ids, device)
+        times = {name: [] for name, _, _ in variants}
         for _ in range(repeats):
-            for name, model in models.items():  # interleaved: drift hits both alike
-                with torch.inference_mode(), stock_cpu_guard(device):
-                    times[name].append(timer(lambda: model(input_ids=ids, logits_to_keep=1)))
-        for name in models:
+            for name, model, graphs in variants:
+                times[name].append(timer(lambda: scoring_forward(model, graphs, ids, device)))
+        for name in times:
             out[name][T] = summary(times[name])
-        log(f"forward T={T}: " + ", ".join(f"{n} {out[n][T]['median']:.2f} ms" for n in models))
+        log(f"forward T={T}: " + ", ".join(f"{n} {out[n][T]['median']:.2f} ms" for n in times))
     return out
 
 
@@ -173,17 +214,20 @@ def request_lengths(n: int, max_len: int, seed: int = 0) -> list[int]:
 
 
 def request_set(models: dict, lengths, device, vocab, timer) -> dict:
-    times = {name: [] for name in models}
+    """Each request is timed once per variant after two untimed calls at its length (steady state: the fused
+    forward's length bucket captured, stock's allocator warm). The padding to the bucket is inside the timing."""
+    variants = forward_variants(models)
+    times = {name: [] for name, _, _ in variants}
     for i, T in enumerate(lengths):
         ids = torch.randint(0, vocab, (1, T), device=device)
-        for name, model in models.items():
-            with torch.inference_mode(), stock_cpu_guard(device):
-                model(input_ids=ids, logits_to_keep=1)  # first call at a new length may autotune / allocate
-                times[name].append(timer(lambda: model(input_ids=ids, logits_to_keep=1)))
+        for name, model, graphs in variants:
+            for _ in range(2):
+                scoring_forward(model, graphs, ids, device)
+            times[name].append(timer(lambda: scoring_forward(model, graphs, ids, device)))
         if (i + 1) % 10 == 0 or i + 1 == len(lengths):
             log(f"requests {i + 1}/{len(lengths)}")
     out = {}
-    for name in models:
+    for name in times:
         long = [t for t, T in zip(times[name], lengths) if T > 2048]
         out[name] = {"all": summary(times[name]), "over_2048": summary(long) if long else None}
     return out
@@ -240,13 +284,13 @@ def profile_forward(models: dict, T: int, device, vocab, rows: int = 12) -> dict
 
     ids = torch.randint(0, vocab, (1, T), device=device)
     out = {}
-    for name, model in models.items():
-        with torch.inference_mode():
-            model(input_ids=ids, logits_to_keep=1)
+    for name, model, graphs in forward_variants(models):
+        for _ in range(3):
+            scoring_forward(model, graphs, ids, device)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            scoring_forward(model, graphs, ids, device)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                model(input_ids=ids, logits_to_keep=1)
-                torch.cuda.synchronize()
         averages = prof.key_averages()
         gpu = [e for e in averages if e.device_type.name == "CUDA"]
         cpu = [e for e in averages if e.device_type.name == "CPU"]
@@ -306,17 +350,21 @@ def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, d
 
 
 def peak_memory(models: dict, T: int, device, vocab) -> dict:
+    """Each variant's peak = its own weights + the most its no-cache forward allocates on top, over the calls that
+    capture (fused + graphs: its graphs are freed first, so the eager call, the warm call and the capture are all
+    inside the window) and a replay. Both models are resident."""
     if device.type != "cuda":
         return {}
     ids = torch.randint(0, vocab, (1, T), device=device)
     out = {}
-    for name, model in models.items():
-        # Both models are resident; each one's peak = its own weights + what its forward allocates on top.
+    for name, model, graphs in forward_variants(models):
+        if graphs:
+            model.set_fused_kernels(True)  # frees the forward graphs captured by the latency runs
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        with torch.inference_mode():
-            model(input_ids=ids, logits_to_keep=1)
+        for _ in range(3 if graphs else 1):
+            scoring_forward(model, graphs, ids, device)
         torch.cuda.synchronize()
         activations = torch.cuda.max_memory_allocated() - base
         out[name] = {"peak_bytes": param_counts(model)["weight_bytes"] + activations, "activation_bytes": activations}
@@ -328,28 +376,35 @@ def peak_memory(models: dict, T: int, device, vocab) -> dict:
 
 def to_markdown(results: dict) -> str:
     lines = [f"Run: {results['meta']['date']}, {results['meta']['device_name']}, torch {results['meta']['torch']}, "
-             f"transformers {results['meta']['transformers']}, fla {results['meta']['fla']}, dtype {results['meta']['dtype']}",
+             f"transformers {results['meta']['transformers']}, fla {results['meta']['fla']}, dtype {results['meta']['dtype']}"
+             + (f", {results['meta']['gpus']} GPUs (device_map; peak memory is GPU 0's)" if results['meta'].get('gpus', 1) > 1 else ""),
              f"Command: `{results['meta']['command']}`", ""]
     ceil = results.get("ceilings") or {}
     if ceil:
         lines += [f"Measured ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM "
                   f"{ceil['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", ""]
-    lines += ["| model | T | stock ms | fused ms | speed-up | matmul floor ms | fused / floor |", "|---|---|---|---|---|---|---|"]
+    lines += ["Forward, no cache, batch 1, last-token logits (medians):", "",
+              "| model | T | stock ms | fused eager ms | fused + graphs ms | speed-up | matmul floor ms | fused / floor |",
+              "|---|---|---|---|---|---|---|---|"]
     for name, r in results["models"].items():
         for T, s in r["forward"]["stock"].items():
             f = r["forward"]["fused"][T]
+            e = r["forward"].get("fused-eager", {}).get(T)
             floor = r["floors"]["forward_ms"].get(str(T)) if r["floors"] else None
-            lines.append(f"| {name} | {T} | {s['median']:.2f} | {f['median']:.2f} | {s['median'] / f['median']:.2f}x | "
+            lines.append(f"| {name} | {T} | {s['median']:.2f} | {'-' if e is None else format(e['median'], '.2f')} | "
+                         f"{f['median']:.2f} | {s['median'] / f['median']:.2f}x | "
                          + (f"{floor:.2f} | {f['median'] / floor:.2f}x |" if floor else "- | - |"))
-    lines += ["", "| model | requests | stock median / mean / p90 / p95 ms | fused median / mean / p90 / p95 ms | > 2048 tokens stock / fused |",
-              "|---|---|---|---|---|"]
-    for name, r in results["models"].items():
-        if not r.get("requests"):
-            continue
-        s, f = r["requests"]["stock"], r["requests"]["fused"]
-        fmt = lambda a: " / ".join(f"{a[k]:.2f}" for k in ("median", "mean", "p90", "p95"))  # noqa: E731
+    fmt = lambda a: " / ".join(f"{a[k]:.2f}" for k in ("median", "mean", "p90", "p95"))  # noqa: E731
+    rows = [(name, r["requests"]) for name, r in results["models"].items() if r.get("requests")]
+    if rows:
+        lines += ["", "Request set (median / mean / p90 / p95 ms; > 2048 tokens: median):", "",
+                  "| model | requests | stock | fused eager | fused + graphs | speed-up (median) | > 2048 tokens stock / fused |",
+                  "|---|---|---|---|---|---|---|"]
+    for name, q in rows:
+        s, f, e = q["stock"], q["fused"], q.get("fused-eager")
         long = f"{s['over_2048']['median']:.1f} / {f['over_2048']['median']:.1f}" if s["over_2048"] else "-"
-        lines.append(f"| {name} | {s['all']['n']} | {fmt(s['all'])} | {fmt(f['all'])} | {long} |")
+        lines.append(f"| {name} | {s['all']['n']} | {fmt(s['all'])} | {fmt(e['all']) if e else '-'} | {fmt(f['all'])} | "
+                     f"{s['all']['median'] / f['all']['median']:.2f}x | {long} |")
     lines += ["", "| model | batch | stock ms/token | fused eager ms/token | fused + graphs ms/token | speed-up | "
               "fused tokens/s | weight-read floor ms | fused / floor | peak GiB stock / fused (cache) |",
               "|---|---|---|---|---|---|---|---|---|---|"]
@@ -367,10 +422,13 @@ def to_markdown(results: dict) -> str:
                          + (f"{floor:.3f} | {f / floor:.2f}x |" if floor else "- | - |") + f" {peak} |")
     mem = [(n, r["memory"]) for n, r in results["models"].items() if r.get("memory")]
     if mem:
-        lines += ["", "| model | peak memory stock GiB | fused GiB | fused / stock |", "|---|---|---|---|"]
+        lines += ["", "| model | peak memory stock GiB | fused eager GiB | fused + graphs GiB | fused + graphs / stock |",
+                  "|---|---|---|---|---|"]
         for name, m in mem:
             s, f = m["stock"]["peak_bytes"], m["fused"]["peak_bytes"]
-            lines.append(f"| {name} | {s / 2**30:.2f} | {f / 2**30:.2f} | {f / s:.3f} |")
+            e = m.get("fused-eager", {}).get("peak_bytes")
+            lines.append(f"| {name} | {s / 2**30:.3f} | {'-' if e is None else f'{e / 2**30:.3f}'} | {f / 2**30:.3f} | "
+                         f"{f / s:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -383,9 +441,11 @@ def plot(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, (name, r) in enumerate(results["models"].items()):
         Ts = sorted(int(t) for t in r["forward"]["stock"])
-        for kind, style in (("stock", "--"), ("fused", "-")):
-            ax.plot(Ts, [r["forward"][kind][str(T)]["median"] for T in Ts], style, marker="o", color=f"C{i}",
-                    label=f"{name} {kind}")
+        for kind, style in (("stock", "--"), ("fused-eager", ":"), ("fused", "-")):
+            if kind in r["forward"]:
+                label = f"{name} {'fused + graphs' if kind == 'fused' else kind}"
+                ax.plot(Ts, [r["forward"][kind][str(T)]["median"] for T in Ts], style, marker="o", color=f"C{i}",
+                        label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens (batch 1, no cache)")
     ax.set_ylabel("forward latency, median ms")
@@ -449,6 +509,7 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--profile", default="", help="comma list of lengths to profile (GPU): kernel counts, top kernels")
     p.add_argument("--profile-decode", default="", help="comma list of batch sizes whose decode step to profile (GPU)")
+    p.add_argument("--gpus", type=int, default=1, help="dispatch both models over this many GPUs (device_map)")
     p.add_argument("--out", default="out/bench")
     args = p.parse_args(argv)
 
@@ -462,7 +523,7 @@ def main(argv=None):
         fla_version = "-"
     results = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M"), "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                         "torch": torch.__version__, "transformers": transformers.__version__, "fla": fla_version,
-                        "dtype": args.dtype, "command": "python scripts/benchmark_latency.py " + " ".join(argv if argv is not None else sys.argv[1:])},
+                        "dtype": args.dtype, "gpus": args.gpus, "command": "python scripts/benchmark_latency.py " + " ".join(argv if argv is not None else sys.argv[1:])},
                "ceilings": measure_ceilings(device), "models": {}}
     if results["ceilings"]:
         log(f"ceilings: copy {results['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
@@ -473,6 +534,9 @@ def main(argv=None):
     for name, shape in targets:
         log(f"building {name if shape else args.model} ({args.dtype}, {device})")
         stock, fused = build_pair(shape, args.model, device, dtype)
+        if args.gpus > 1:
+            stock, fused = split_over_gpus(stock, args.gpus), split_over_gpus(fused, args.gpus)
+            log(f"dispatched over {args.gpus} GPUs: {sorted(set(str(d) for d in fused.hf_device_map.values()))}")
         models = {"stock": stock, "fused": fused}
         vocab = stock.config.vocab_size
         counts = param_counts(stock)

@@ -164,3 +164,15 @@ def emulate_fused_on_cpu(monkeypatch):
     monkeypatch.setattr(modeling, "fla_causal_conv1d", _conv1d_torch)
     monkeypatch.setattr(modeling, "fla_chunk_gated_delta_rule", _chunk_rule_torch)
     monkeypatch.setattr(modeling, "fla_rms_norm_gated", _rms_norm_gated_torch)
+
+
+def new_weights(model, seed=5):
+    """A fresh random state dict for `model`; keys sharing one tensor (tied embeddings) get one new tensor."""
+    torch.manual_seed(seed)
+    fresh, new = {}, {}
+    for key, value in model.state_dict().items():
+        if value.data_ptr() not in fresh:
+            fresh[value.data_ptr()] = torch.randn_like(value) * 0.02 if value.dim() > 1 else value.clone()
+        new[key] = fresh[value.data_ptr()]
+    return new
+

@@ -16,7 +16,7 @@ def test_benchmark_runs_on_cpu(tmp_path):
                                       "--decode-batches", "1,2", "--new-tokens", "3", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "results.json").read_text())
     tiny = saved["models"]["tiny"]
-    assert set(tiny["forward"]) == {"stock", "fused"} and set(tiny["forward"]["fused"]) == {"8", "16"}
+    assert set(tiny["forward"]) == {"stock", "fused-eager", "fused"} and set(tiny["forward"]["fused"]) == {"8", "16"}
     assert tiny["requests"]["fused"]["all"]["n"] == 3
     assert set(tiny["decode"]) == {"1", "2"} and tiny["decode"]["2"]["fused"]["ms_per_token"] > 0
     assert tiny["params"]["tied"] and tiny["params"]["weight_bytes"] > 0
@@ -75,7 +75,7 @@ def test_benchmark_decode_only_on_cpu(tmp_path):
     benchmark_latency.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "",
                             "--requests", "0", "--decode-batches", "2", "--new-tokens", "3", "--out", str(tmp_path)])
     tiny = json.loads((tmp_path / "results.json").read_text())["models"]["tiny"]
-    assert tiny["forward"] == {"stock": {}, "fused": {}} and "memory" not in tiny
+    assert tiny["forward"] == {"stock": {}, "fused-eager": {}, "fused": {}} and "memory" not in tiny
     assert set(tiny["decode"]["2"]) == {"stock", "fused-eager", "fused"}
     assert "| tiny | 2 |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "decode.png").stat().st_size > 1000

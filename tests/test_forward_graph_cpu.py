@@ -1,0 +1,177 @@
+"""The graphed no-cache forward (``_ForwardGraph``), on CPU, against stock transformers.
+
+On CPU nothing is captured: the same padded forward runs eagerly on the graph's fixed-address input buffer, with every
+kernel swapped for its plain-torch reference (``helpers.emulate_fused_on_cpu``). What is tested is everything around
+the capture: the length buckets and right padding (exact for the real positions), the slice and copy of the output,
+the decision (which calls take it, which run eagerly and say so once), bucket reuse and release. The capture itself is
+tested on the GPU (``test_model_cuda.py``).
+"""
+
+import logging
+
+import pytest
+import torch
+
+import helpers
+from helpers import modeling, new_weights, rel_err, run_stock, stock_and_fused_lm
+
+BOUND = 1e-5  # fp32 references; the padded length changes the summation order of nothing but SDPA's masked tail
+
+
+@pytest.fixture(autouse=True)
+def fused_on_cpu(monkeypatch):
+    helpers.emulate_fused_on_cpu(monkeypatch)
+    modeling._announced.clear()
+    yield
+    modeling._announced.clear()
+
+
+def _graphs(model):
+    return model.model.__dict__.get("_forward_graphs") or {}
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 129])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_padded_bucket_forward_matches_stock(seq_len, batch):
+    stock, fused = stock_and_fused_lm()
+    ids = torch.randint(3, 200, (batch, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    with torch.no_grad():
+        ref = run_stock(stock, ids, use_cache=False).logits
+        first = fused(ids, use_cache=False).logits  # first call in the bucket: eager, at its own length
+        assert not _graphs(fused)
+        second = fused(ids, use_cache=False, attention_mask=torch.ones_like(ids)).logits  # second: the bucket
+        (entry,) = _graphs(fused).values()
+        assert entry.inputs.shape[:2] == (batch, modeling._forward_len_bucket(seq_len))
+        assert entry.inputs.shape[1] > seq_len  # really padded
+        third = fused(ids, use_cache=False, logits_to_keep=1).logits
+    assert second.shape == ref.shape and third.shape == (batch, 1, ref.shape[-1])
+    assert rel_err(first, ref) <= BOUND
+    assert rel_err(second, ref) <= BOUND
+    assert rel_err(third, ref[:, -1:]) <= BOUND
+
+
+def test_inputs_embeds_and_shorter_input_in_the_same_bucket():
+    stock, fused = stock_and_fused_lm()
+    g = torch.Generator().manual_seed(0)
+    long_ids = torch.randint(3, 200, (2, 100), generator=g)
+    short_ids = torch.randint(3, 200, (2, 70), generator=g)  # same bucket (128): the tail holds the longer input
+    assert modeling._forward_len_bucket(100) == modeling._forward_len_bucket(70)
+    with torch.no_grad():
+        for _ in range(2):
+            fused(long_ids, use_cache=False)
+        got = fused(short_ids, use_cache=False).logits
+        ref = run_stock(stock, short_ids, use_cache=False).logits
+        embeds = stock.get_input_embeddings()(short_ids)
+        for _ in range(2):
+            got_embeds = fused(inputs_embeds=embeds, use_cache=False).logits
+    assert rel_err(got, ref) <= BOUND
+    assert rel_err(got_embeds, ref) <= BOUND
+    assert len(_graphs(fused)) == 2  # ids and embeddings are separate buckets
+
+
+def test_output_is_a_copy_not_the_graph_buffer():
+    _, fused = stock_and_fused_lm()
+    a_ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(1))
+    b_ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        fused.model(a_ids, use_cache=False)
+        a = fused.model(a_ids, use_cache=False).last_hidden_state
+        kept = a.clone()
+        fused.model(b_ids, use_cache=False)
+    assert torch.equal(a, kept)
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        ({}, "uses a cache"),  # the config's use_cache=True: stock returns a cache, so the call stays eager
+        ({"use_cache": False, "attention_mask": "padded"}, "padded"),
+        ({"use_cache": False, "position_ids": "arange"}, "position_ids"),
+        ({"use_cache": False, "output_hidden_states": True}, "output_hidden_states"),
+    ],
+)
+def test_uncovered_calls_run_eagerly_said_once(kwargs, reason, caplog):
+    stock, fused = stock_and_fused_lm()
+    ids = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(kwargs)
+    if kwargs.get("attention_mask") == "padded":
+        kwargs["attention_mask"] = torch.ones_like(ids)
+        kwargs["attention_mask"][1, :2] = 0
+    if kwargs.get("position_ids") == "arange":
+        kwargs["position_ids"] = torch.arange(7).expand(2, 7)
+    with torch.no_grad(), caplog.at_level(logging.WARNING):
+        ref = run_stock(stock, ids, **kwargs)
+        outs = [fused(ids, **kwargs) for _ in range(3)]
+    assert not _graphs(fused)
+    lines = [r for r in caplog.records if "forward without CUDA graphs" in r.getMessage()]
+    assert len(lines) == 1 and reason in lines[0].getMessage()
+    for out in outs:
+        assert rel_err(out.logits, ref.logits) <= BOUND
+
+
+def test_graphs_off_or_grad_enabled_stay_eager_and_quiet(caplog):
+    _, fused = stock_and_fused_lm()
+    ids = torch.randint(3, 200, (1, 7), generator=torch.Generator().manual_seed(4))
+    fused.config.cuda_graphs = False
+    fused._refresh_fused()
+    with torch.no_grad(), caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            fused(ids, use_cache=False)
+    assert not _graphs(fused)
+    assert not [r for r in caplog.records if "CUDA graphs" in r.getMessage()]
+
+
+def test_buckets_are_bounded_and_released_on_move(monkeypatch):
+    monkeypatch.setattr(modeling, "_MAX_FORWARD_GRAPHS", 2)
+    _, fused = stock_and_fused_lm()
+    with torch.no_grad():
+        for seq_len in (5, 70, 200):
+            ids = torch.randint(3, 200, (1, seq_len))
+            for _ in range(2):
+                fused(ids, use_cache=False)
+    assert [key[1] for key in _graphs(fused)] == [128, 256]  # the least recently used (64) was freed
+    assert {b["length"] for b in fused.describe()["forward_graphs"]["buckets"]} == {128, 256}
+    fused.to(torch.float64)
+    assert not _graphs(fused)
+
+
+def test_length_buckets():
+    assert [modeling._forward_len_bucket(t) for t in (1, 64, 65, 128, 129, 512, 513, 1100, 2048, 8192)] == [
+        64, 64, 128, 128, 192, 512, 640, 1280, 2048, 8192,
+    ]
+    assert all(modeling._forward_len_bucket(t) >= t for t in range(1, 9000, 7))
+
+
+def test_replaced_weights_are_read():
+    stock, fused = stock_and_fused_lm()
+    ids = torch.randint(3, 200, (2, 33), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        for _ in range(3):
+            fused(ids, use_cache=False)
+        new = new_weights(stock)
+        stock.load_state_dict(new)
+        fused.load_state_dict(new, assign=True)
+        got = fused(ids, use_cache=False).logits
+        ref = run_stock(stock, ids, use_cache=False).logits
+    assert rel_err(got, ref) <= BOUND
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_bucket_masks_built_once_outside_the_graph(attn):
+    """The padded bucket's masks are built eagerly, once: None for SDPA (its causal fast path, which a mask built
+    under capture would lose), a materialised causal mask for eager attention; both give stock's logits."""
+    stock, fused = stock_and_fused_lm()
+    for model in (stock, fused):
+        model.config._attn_implementation = attn
+    ids = torch.randint(3, 200, (2, 40), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = run_stock(stock, ids, use_cache=False).logits
+        outs = [fused(ids, use_cache=False).logits for _ in range(3)]
+    (entry,) = _graphs(fused).values()
+    mask = entry.masks["full_attention"]
+    if attn == "sdpa":
+        assert mask is None
+    else:
+        assert mask is not None and mask.shape[-1] == mask.shape[-2] == 64
+    for out in outs:
+        assert rel_err(out, ref) <= BOUND
