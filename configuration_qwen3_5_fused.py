@@ -6,8 +6,8 @@ when ``trust_remote_code`` is not given. They add two switches:
 
 - ``fused_kernels`` (bool): run the fused inference kernels where they cover the call. Off by default in the
   class; the repo's ``config.json`` turns it on.
-- ``cuda_graphs`` (bool): capture the fused single-token decode step in CUDA graphs (used only when
-  ``fused_kernels`` is on and the model runs on a GPU).
+- ``cuda_graphs`` (bool): capture the fused single-token decode step and the no-cache forward (per length bucket)
+  in CUDA graphs (used only when ``fused_kernels`` is on and the model runs on a GPU).
 
 Both can be overridden without editing files: ``from_pretrained(repo, trust_remote_code=True, fused_kernels=False)``
 or the environment variables ``QWEN3_5_FUSED_KERNELS`` / ``QWEN3_5_CUDA_GRAPHS`` (``0``/``1``), which win over the

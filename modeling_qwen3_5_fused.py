@@ -27,7 +27,12 @@ fused path does not cover yet. ``describe()`` reports what runs where.
 Decode. For greedy and sampling ``generate`` calls the model hands generate a :class:`FusedDecodeCache` (fixed-address
 conv, recurrent and K/V buffers); the fused prefill fills it, and every later token is one fused step over those
 buffers (``_DecodeState.step``), replayed from a CUDA graph when ``cuda_graphs`` is on, inside a lean generate loop
-(``_fused_sample``). Other generation modes keep the stock cache and decode code (announced once).
+(``_fused_sample``). Other generation modes keep the stock cache and decode code (announced once). A model split over
+several GPUs (``device_map``) runs the same step eagerly, each layer's buffers on its own device.
+
+Scoring forwards. A forward without a cache (``use_cache=False``, no padding) under ``no_grad`` / ``inference_mode``
+is right-padded to a length bucket and replayed from a CUDA graph captured on the bucket's second call
+(``_ForwardGraph``); other forwards run the fused kernels eagerly.
 """
 
 import contextlib
