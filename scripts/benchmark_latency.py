@@ -115,8 +115,10 @@ def build_pair(shape: str | None, model_id: str | None, device, dtype, seed: int
         return stock, fused
     kwargs = tiny_text_kwargs() if shape == "tiny" else real_text_kwargs(shape)
     torch.manual_seed(seed)
+    # Built directly in the target dtype on the target device: 27B in bf16 is 54 GB; built in fp32 first it would
+    # need 108 GB plus the cast's copy, more than one H200 holds.
     with torch.device(device):
-        stock = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**kwargs)).to(dtype).eval()
+        stock = Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**kwargs), dtype=dtype).eval()
     # Build the fused model on the meta device and hand it the stock model's tensors (no second copy is
     # allocated and then freed), then pack: packing copies each projection group once into its packed matrix.
     with torch.device("meta"):
