@@ -132,17 +132,21 @@ def build_pair(shape: str | None, model_id: str | None, device, dtype, seed: int
     return stock, fused
 
 
-def split_over_gpus(model, n: int):
-    """Dispatch `model` over GPUs 0..n-1 with accelerate (what `from_pretrained(device_map=...)` does): the decoder
-    layers in n equal runs, the embeddings on GPU 0, the final norm on the last GPU, the LM head with the embeddings
-    when they are tied, else on the last GPU."""
-    from accelerate import dispatch_model
-
+def gpu_device_map(model, n: int) -> dict:
+    """A device_map over GPUs 0..n-1: the decoder layers in n equal runs, the embeddings on GPU 0, the final norm on
+    the last GPU, the LM head with the embeddings when they are tied, else on the last GPU."""
     layers = len(model.model.layers)
     device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": n - 1,
                   "lm_head": 0 if model.config.tie_word_embeddings else n - 1}
     device_map.update({f"model.layers.{i}": i * n // layers for i in range(layers)})
-    return dispatch_model(model, device_map=device_map)
+    return device_map
+
+
+def split_over_gpus(model, n: int):
+    """Dispatch `model` over n GPUs with accelerate, as `from_pretrained(device_map=...)` does."""
+    from accelerate import dispatch_model
+
+    return dispatch_model(model, device_map=gpu_device_map(model, n))
 
 
 def param_counts(model) -> dict:

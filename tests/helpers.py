@@ -1,5 +1,6 @@
 """Small helpers shared by the test modules (no fixtures: plain functions)."""
 
+import pytest
 import torch
 
 from scripts.common import import_repo, tiny_text_kwargs, tiny_vision_kwargs
@@ -176,3 +177,12 @@ def new_weights(model, seed=5):
         new[key] = fresh[value.data_ptr()]
     return new
 
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """The fused path on CPU (kernels swapped for their references) with a fresh fallback log, for one test. Test
+    modules that run every test this way import it and mark it autouse: `pytestmark = usefixtures(...)`."""
+    emulate_fused_on_cpu(monkeypatch)
+    modeling._announced.clear()
+    yield
+    modeling._announced.clear()

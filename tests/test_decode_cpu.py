@@ -16,18 +16,13 @@ import torch
 
 import helpers
 from helpers import cache_of, composite_kwargs, generate_stock, modeling, rel_err, stock_and_fused_lm
+from helpers import fused_on_cpu  # noqa: F401 - the fixture, used by every test below
+
+pytestmark = pytest.mark.usefixtures("fused_on_cpu")
 
 REPO = Path(__file__).resolve().parents[1]
 # fp32 on CPU: the references round as stock does; SDPA over the preallocated (masked) length sums in another order
 SCORE_BOUND = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def fused_on_cpu(monkeypatch):
-    helpers.emulate_fused_on_cpu(monkeypatch)
-    modeling._announced.clear()
-    yield
-    modeling._announced.clear()
 
 
 def _prompts(batch=3, length=7, seed=1, pad_rows=((0, 3), (1, 1))):

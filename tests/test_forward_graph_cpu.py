@@ -7,23 +7,18 @@ the decision (which calls take it, which run eagerly and say so once), bucket re
 tested on the GPU (``test_model_cuda.py``).
 """
 
+import copy
 import logging
 
 import pytest
 import torch
 
-import helpers
 from helpers import modeling, new_weights, rel_err, run_stock, stock_and_fused_lm
+from helpers import fused_on_cpu  # noqa: F401 - the fixture, used by every test below
+
+pytestmark = pytest.mark.usefixtures("fused_on_cpu")
 
 BOUND = 1e-5  # fp32 references; the padded length changes the summation order of nothing but SDPA's masked tail
-
-
-@pytest.fixture(autouse=True)
-def fused_on_cpu(monkeypatch):
-    helpers.emulate_fused_on_cpu(monkeypatch)
-    modeling._announced.clear()
-    yield
-    modeling._announced.clear()
 
 
 def _graphs(model):
@@ -175,3 +170,24 @@ def test_bucket_masks_built_once_outside_the_graph(attn):
         assert mask is not None and mask.shape[-1] == mask.shape[-2] == 64
     for out in outs:
         assert rel_err(out, ref) <= BOUND
+
+
+def test_weights_snapshot_sees_replacements_not_in_place_updates():
+    """A captured graph reads fixed addresses: in-place updates are read as they are, anything that moves a weight
+    (assignment, ``.data =``, ``load_state_dict(assign=True)``, a swapped submodule) must trigger a new capture."""
+    _, fused = stock_and_fused_lm()
+    text = fused.model
+    mlp = text.layers[0].mlp
+    checks = {
+        "in place": (lambda: mlp.down_proj.weight.data.mul_(2), True),
+        "parameter assigned": (lambda: setattr(mlp.down_proj, "weight", torch.nn.Parameter(mlp.down_proj.weight * 1)), False),
+        ".data replaced": (lambda: setattr(text.norm.weight, "data", text.norm.weight.data.clone()), False),
+        "submodule swapped": (lambda: setattr(text.layers[1], "mlp", copy.deepcopy(text.layers[1].mlp)), False),
+        "assign-load": (lambda: fused.load_state_dict(new_weights(fused), assign=True), False),
+    }
+    for name, (change, expected) in checks.items():
+        snapshot = modeling._WeightsSnapshot(text)
+        assert snapshot.unchanged()
+        with torch.no_grad():
+            change()
+        assert snapshot.unchanged() is expected, name

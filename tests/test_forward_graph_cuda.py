@@ -18,6 +18,13 @@ def _pair(dtype):
     return stock.to("cuda", dtype), fused.to("cuda", dtype)
 
 
+def _captured(model, ids, calls=3):
+    """Call the no-cache forward `calls` times: the bucket runs eagerly, is captured on the second, replayed after."""
+    with torch.inference_mode():
+        for _ in range(calls):
+            model(input_ids=ids, use_cache=False)
+
+
 def _entry(model, batch, seq_len):
     for key, entry in model.model._forward_graphs.items():
         if key[0] == batch and key[1] == modeling._forward_len_bucket(seq_len):
@@ -50,9 +57,7 @@ def test_replayed_forward_matches_stock(dtype, seq_len, batch):
 def test_replaced_and_updated_weights_are_read():
     stock, fused = _pair(torch.float32)
     ids = torch.randint(3, 250, (2, 33), device="cuda")
-    with torch.inference_mode():
-        for _ in range(3):
-            fused(input_ids=ids, use_cache=False)
+    _captured(fused, ids)
     # in place (same addresses: the graph reads the new values), then replaced (new addresses: captured again)
     with torch.no_grad():
         for p_stock, p_fused in zip(stock.parameters(), fused.parameters()):
@@ -73,9 +78,7 @@ def test_replaced_and_updated_weights_are_read():
 def test_graph_memory_is_freed_on_release_and_move():
     _, fused = _pair(torch.bfloat16)
     ids = torch.randint(3, 250, (1, 2048), device="cuda")
-    with torch.inference_mode():
-        for _ in range(3):
-            fused(input_ids=ids, use_cache=False)
+    _captured(fused, ids)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     held = torch.cuda.memory_reserved()  # weights + the graph's pool (the eager calls' blocks were just released)

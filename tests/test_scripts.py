@@ -79,3 +79,15 @@ def test_benchmark_decode_only_on_cpu(tmp_path):
     assert set(tiny["decode"]["2"]) == {"stock", "fused-eager", "fused"}
     assert "| tiny | 2 |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "decode.png").stat().st_size > 1000
+
+
+def test_benchmark_gpu_device_map_splits_layers_evenly():
+    """`--gpus N`: the map handed to accelerate (the dispatch itself needs the GPUs; see test_multi_gpu_cuda.py)."""
+    stock, _ = benchmark_latency.build_pair("tiny", None, torch.device("cpu"), torch.float32)
+    device_map = benchmark_latency.gpu_device_map(stock, 2)
+    layers = [device_map[f"model.layers.{i}"] for i in range(len(stock.model.layers))]
+    assert layers == sorted(layers) and layers.count(0) == layers.count(1)
+    assert device_map["model.embed_tokens"] == 0 and device_map["model.norm"] == 1
+    assert device_map["lm_head"] == 0  # tied to the embeddings: kept with them
+    every = {f"model.{name}" for name, _ in stock.model.named_children() if name != "layers"} | {"lm_head"}
+    assert every <= set(device_map)  # accelerate needs every module placed
