@@ -16,6 +16,8 @@ the input dtype exactly where stock rounds):
 - `swiglu`: `silu(g) * u` of the fused gate|up projection.
 - `causal_conv1d_step`, `gated_delta_rule_step`: the single-token (decode) step of a Gated DeltaNet layer, state
   updated in place, CUDA-graph capturable.
+- `gemv` (and `small_linear`, which picks it or cuBLAS per shape by timing both once): the decode step's linears
+  for 1-16 rows as one weight read, optionally with the SwiGLU of the packed gate|up projection in its epilogue.
 """
 
 import contextlib
@@ -1087,3 +1089,155 @@ def gated_delta_rule_step_ref(
     s = s + k[..., None] * ((v.float() - kv) * beta)[..., None, :]
     state.copy_(s)
     return (s * q[..., None]).sum(-2).to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 7. Decode-batch linear (GEMV, M <= 16 rows), optionally with the SwiGLU epilogue, and the per-shape choice between
+#    it and cuBLAS
+#
+# Why a kernel of our own: a decode step reads every weight once for 1-16 rows, so a linear is a pure weight read.
+# On the H200 (2026-11-30 profile, 4B, batch 1) cuBLAS's small-M kernels read the large matrices at ~84% of the copy
+# rate and the small ones far below it, with a split-K reduce kernel after a third of them; together 1.24x the
+# weight-read floor. Nothing maintained fuses the SwiGLU of the gate|up projection into a GEMV either. Whether this
+# kernel beats cuBLAS is decided on the card, per shape: `small_linear` times both at the step's first (eager) call
+# and keeps the faster, so it cannot make a shape slower than cuBLAS.
+# ---------------------------------------------------------------------------------------------------------------------
+
+# (BLOCK_N, BLOCK_K, num_warps) tried per shape. Few output rows per program (4-8) keep ~5 programs per SM on the
+# 2560-row matrices of the 4B model; 512-1024 columns per iteration keep 4-16 KB of weights in flight per program.
+_GEMV_CONFIGS = ((4, 1024, 4), (8, 512, 4))
+_GEMV_MAX_M = 16
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+        SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns of this program
+        m_n = o_n < N
+        o_m = tl.arange(0, BLOCK_M)
+        dt = y_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < K
+            m_w = m_n[:, None] & m_k[None, :]
+            p_w = w_ptr + o_n.to(tl.int64)[:, None] * K + o_k[None, :]
+            b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)  # [BN, BK], read once for every row of x
+            if SWIGLU:  # the up rows sit N rows below the gate rows of the packed gate|up matrix
+                b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
+            for i_m in tl.static_range(BLOCK_M):
+                # rows past M (BLOCK_M is M rounded up to a power of two) re-read row M-1; their store is masked
+                b_x = tl.load(x_ptr + tl.minimum(i_m, M - 1) * stride_xm + o_k, mask=m_k, other=0.0).to(tl.float32)
+                sel = (o_m == i_m)[:, None]
+                acc = tl.where(sel, acc + tl.sum(b_w * b_x[None, :], axis=1)[None, :], acc)
+                if SWIGLU:
+                    acc_u = tl.where(sel, acc_u + tl.sum(b_wu * b_x[None, :], axis=1)[None, :], acc_u)
+        b_y = _round_to(acc, dt)  # the linear's output, rounded once as cuBLAS rounds it
+        if SWIGLU:  # stock: silu(gate) rounded, times up (rounded), rounded
+            b_s = _round_to(b_y / (1.0 + tl.exp(-b_y)), dt)
+            b_y = _round_to(b_s * _round_to(acc_u, dt), dt)
+        p_y = y_ptr + o_m[:, None] * stride_ym + o_n[None, :]
+        tl.store(p_y, b_y.to(dt), mask=(o_m < M)[:, None] & m_n[None, :])
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False, config: tuple[int, int, int] | None = None):
+    """`x @ w.T` for a few rows, as one weight read; with `gate_up`, `silu(x @ g.T) * (x @ u.T)` for `w = [g; u]`.
+
+    Args:
+        x: [M, K], 1 <= M <= 16, float32 / bfloat16 / float16, last dim contiguous (any row stride).
+        w: [N, K] contiguous, x's dtype and device; with `gate_up`, [2*I, K] (gate rows, then up rows).
+        config: (BLOCK_N, BLOCK_K, num_warps); default the first of `_GEMV_CONFIGS`.
+
+    Returns:
+        y [M, N] (or [M, I] with `gate_up`) contiguous, in x.dtype: fp32 accumulation, one rounding, as
+        `F.linear` (then `swiglu`'s roundings).
+    """
+    _check_triton("gemv")
+    _check_float("x", x)
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemv needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}.")
+    if not 1 <= x.shape[0] <= _GEMV_MAX_M:
+        raise ValueError(f"gemv takes 1 to {_GEMV_MAX_M} rows, got M={x.shape[0]}.")
+    if w.dtype != x.dtype or not w.is_contiguous():
+        raise ValueError(f"gemv needs a contiguous weight in x's dtype ({x.dtype}), got {w.dtype}, "
+                         f"contiguous={w.is_contiguous()}.")
+    if gate_up and w.shape[0] % 2:
+        raise ValueError(f"gemv with gate_up needs an even number of weight rows (gate | up), got {w.shape[0]}.")
+    _check_same_device(x=x, w=w)
+    _check_last_dim_contiguous("x", x)
+    M, K = x.shape
+    N = w.shape[0] // 2 if gate_up else w.shape[0]
+    BLOCK_N, BLOCK_K, num_warps = config or _GEMV_CONFIGS[0]
+    BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    with _device_guard(x):
+        _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
+            x, w, y, M, N, K, x.stride(0), y.stride(0),
+            SWIGLU=gate_up, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps,
+        )
+    return y
+
+
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+    """Plain-torch `gemv`: `F.linear`, then stock's SwiGLU for `gate_up`."""
+    y = torch.nn.functional.linear(x, w)
+    return swiglu_ref(y) if gate_up else y
+
+
+# Per (M, N, K, gate_up, dtype, device): the chosen implementation, "cublas" or a `_GEMV_CONFIGS` entry.
+_small_linear_choice: dict = {}
+
+
+def _time_ms(fn, reps: int = 10) -> float:
+    """Median of `reps` CUDA-event timings of `fn()` after two warm calls (host syncs: used outside capture only)."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _run_small_linear(x, w, gate_up, choice):
+    if choice == "cublas":
+        y = torch.nn.functional.linear(x, w)
+        return swiglu(y) if gate_up else y
+    return gemv(x, w, gate_up, choice)
+
+
+def small_linear(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+    """The decode step's linear: `x @ w.T` ([M, K] x [N, K]), or with `gate_up` the SwiGLU of the packed gate|up
+    projection, by cuBLAS (`F.linear`, then `swiglu`) or by `gemv`, whichever runs faster on this card for this
+    shape. The choice is timed once per shape at its first call outside CUDA-graph capture (the decode step's eager
+    warm-up: ~12 timed runs per candidate) and kept for the process; a shape first met inside a capture, more than
+    16 rows, or a weight `gemv` does not take, uses cuBLAS. One decision point."""
+    key = (x.shape[0], w.shape[0], w.shape[1], gate_up, x.dtype, x.device)
+    choice = _small_linear_choice.get(key)
+    if choice is None:
+        choice = "cublas"
+        eligible = HAS_TRITON and x.is_cuda and x.shape[0] <= _GEMV_MAX_M and w.is_contiguous() and w.dtype == x.dtype
+        if eligible and not torch.cuda.is_current_stream_capturing():
+            with torch.cuda.device(x.device):  # the events must time x's device (device_map puts layers elsewhere)
+                timings = {"cublas": _time_ms(lambda: _run_small_linear(x, w, gate_up, "cublas"))}
+                for config in _GEMV_CONFIGS:
+                    try:
+                        timings[config] = _time_ms(lambda config=config: gemv(x, w, gate_up, config))
+                    except Exception:  # noqa: BLE001 - a config that does not compile on this card is not chosen
+                        continue
+            choice = min(timings, key=timings.get)
+        _small_linear_choice[key] = choice
+    return _run_small_linear(x, w, gate_up, choice)
+
+
+def small_linear_ref(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+    """Plain-torch `small_linear`."""
+    return gemv_ref(x, w, gate_up)

@@ -80,6 +80,7 @@ from .fused_ops import (
     kernels_available,
     rms_norm,
     sigmoid_gate_mul,
+    small_linear,
     swiglu,
 )
 
@@ -493,6 +494,14 @@ class _WeightsSnapshot:
         )
 
 
+def _step_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """``linear(x)`` for the decode step's [B, in] rows: ``small_linear`` (cuBLAS or our GEMV, whichever this card
+    runs faster for the shape), or ``F.linear`` for a linear with a bias (none in Qwen3.5)."""
+    if linear.bias is not None:
+        return F.linear(x, linear.weight, linear.bias)
+    return small_linear(x, linear.weight)
+
+
 class _DecodeState:
     """The fixed-address tensors one decode bucket keeps across ``generate`` calls, and its CUDA graph.
 
@@ -603,7 +612,7 @@ class _DecodeState:
                 y = self._attention_step(layer.self_attn, x, cos, sin, mask, slot, i)
             ln = layer.post_attention_layernorm
             x, h = rms_norm(y, ln.weight, ln.eps, residual=h)
-            mlp_out = layer.mlp(x)
+            mlp_out = self._mlp_step(layer.mlp, x)
         self.slot.add_(1)
         self.positions.add_(1)  # every mRoPE section of a generated (text) token moves on by one
         norm = text_model.norm
@@ -614,7 +623,7 @@ class _DecodeState:
     def _deltanet_step(self, m, x, i):
         B = self.batch
         w, _ = m._packed_weight()
-        proj = F.linear(x.view(B, -1), w)  # [B, conv_dim + value_dim + 2 * HV]
+        proj = small_linear(x.view(B, -1), w)  # [B, conv_dim + value_dim + 2 * HV]
         mixed, z, b, a = torch.split(proj, [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads], dim=-1)
         mixed = causal_conv1d_step(mixed, self.conv[i], m.conv1d.weight.squeeze(1), m.conv1d.bias)
         q, k, v = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
@@ -631,13 +640,13 @@ class _DecodeState:
         core = fla_rms_norm_gated(
             core.view(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim), m.norm.weight, m.norm.variance_epsilon
         )
-        return m.out_proj(core.view(B, 1, -1))
+        return _step_linear(core.view(B, -1), m.out_proj).view(B, 1, -1)
 
     def _attention_step(self, m, x, cos, sin, mask, slot, i):
         B = self.batch
         H, KV, D = m.config.num_attention_heads, m.config.num_key_value_heads, m.head_dim
         w, bias = m._packed_weight()
-        qkv = F.linear(x, w, bias)  # [B, 1, N]
+        qkv = (small_linear(x.view(B, -1), w) if bias is None else F.linear(x.view(B, -1), w, bias)).view(B, 1, -1)
         q, k, v, gate = attn_prep(qkv, cos, sin, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps, H, KV, D)
         keys, values = self.keys[i], self.values[i]
         keys.index_copy_(2, slot, k)
@@ -645,7 +654,15 @@ class _DecodeState:
         # The H query heads of one token, grouped by their KV head ([B, KV, H/KV, D]), attend over the whole
         # preallocated length; the mask keeps the keys written so far that are not padding.
         o = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, D), keys, values, attn_mask=mask, scale=m.scaling)
-        return m.o_proj(sigmoid_gate_mul(o.reshape(B, 1, H, D), gate))
+        return _step_linear(sigmoid_gate_mul(o.reshape(B, 1, H, D), gate).view(B, -1), m.o_proj).view(B, 1, -1)
+
+    @staticmethod
+    def _mlp_step(mlp, x):
+        if mlp.config.hidden_act not in ("silu", "swish"):
+            return mlp(x)
+        B = x.shape[0]
+        act = small_linear(x.view(B, -1), mlp._packed_weight()[0], gate_up=True)  # silu(gate) * up, [B, I]
+        return _step_linear(act, mlp.down_proj).view(B, 1, -1)
 
     # -- driving it --------------------------------------------------------------------------------------------------
 
@@ -1446,7 +1463,8 @@ class _FusedPreTrainedMixin:
             "ops": (
                 "one step per token on preallocated conv / recurrent / K-V buffers: causal_conv1d_step + "
                 "gated_delta_rule_step (state in place), attn_prep + K/V written in place + SDPA + sigmoid gate, "
-                "fused norms and SwiGLU" if reason is None else "stock transformers decode"
+                "fused norms; each linear (gate|up with SwiGLU in its epilogue) by cuBLAS or our GEMV, whichever "
+                "was timed faster for its shape" if reason is None else "stock transformers decode"
             ),
             "cuda_graphs": bool(graphs and reason is None and device.type == "cuda"),
             "falls_back": "beam search, assisted / contrastive decoding, a cache passed in, cache_implementation, "

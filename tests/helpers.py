@@ -160,7 +160,8 @@ def emulate_fused_on_cpu(monkeypatch):
     """Let the fused path run on CPU tensors with torch references for every kernel (build models after this)."""
     monkeypatch.setattr(modeling, "_FUSED_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(modeling, "kernels_available", lambda: None)
-    for name in ("rms_norm", "attn_prep", "sigmoid_gate_mul", "swiglu", "causal_conv1d_step", "gated_delta_rule_step"):
+    for name in ("rms_norm", "attn_prep", "sigmoid_gate_mul", "swiglu", "small_linear", "causal_conv1d_step",
+                 "gated_delta_rule_step"):
         monkeypatch.setattr(modeling, name, getattr(fused_ops, f"{name}_ref"))
     monkeypatch.setattr(modeling, "fla_causal_conv1d", _conv1d_torch)
     monkeypatch.setattr(modeling, "fla_chunk_gated_delta_rule", _chunk_rule_torch)

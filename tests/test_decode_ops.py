@@ -489,6 +489,63 @@ def test_rejects_bad_inputs(case):
         call()
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# The decode-batch linear (`gemv`, `small_linear`)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def check_gemv(device, dtype, M, N, K, gate_up, config=None, seed=0):
+    """`gemv` on a strided x (a column slice of a wider buffer, as the step passes it) against `gemv_ref`; the output
+    is poisoned first so an unwritten element shows as NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K + 24, generator=gen) * 0.5).to(device, dtype)[:, 8 : 8 + K]
+    w = (torch.randn(2 * N if gate_up else N, K, generator=gen) / K**0.5).to(device, dtype)
+    y = fused_ops.gemv(x, w, gate_up, config)
+    want = fused_ops.gemv_ref(x, w, gate_up)
+    assert y.shape == want.shape and y.dtype == dtype and y.is_contiguous()
+    assert not y.isnan().any()
+    err = rel_err(y.float(), want.float())
+    assert err <= BOUND[dtype], f"rel_err {err:.3g} > {BOUND[dtype]:g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("M,N,K", [(1, 5, 16), (3, 37, 70), (8, 9, 33)])
+@pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
+def test_gemv_cpu(dtype, M, N, K, gate_up):
+    check_gemv("cpu", dtype, M, N, K, gate_up, config=(4, 32, 1))
+
+
+@pytest.mark.parametrize("config", [(8, 16, 1), (4, 64, 2)])
+def test_gemv_configs_cpu(config):
+    check_gemv("cpu", torch.bfloat16, 2, 21, 50, True, config=config)
+
+
+def test_small_linear_on_cpu_is_cublas_path():
+    """Off CUDA (and for shapes `gemv` does not take) the choice is `F.linear`, made once per shape."""
+    x, w = torch.randn(2, 16), torch.randn(12, 16)
+    fused_ops._small_linear_choice.clear()
+    y = fused_ops.small_linear(x, w, gate_up=True)
+    assert torch.equal(y, fused_ops.swiglu(F.linear(x, w)))
+    assert list(fused_ops._small_linear_choice.values()) == ["cublas"]
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("rows", "1 to 16 rows"),
+        ("k", r"x \[M, K\] and w \[N, K\]"),
+        ("odd", "even number of weight rows"),
+        ("dtype", "contiguous weight in x's dtype"),
+    ],
+)
+def test_gemv_rejects_bad_inputs(case, match):
+    x, w = torch.randn(2, 16), torch.randn(12, 16)
+    args = {"rows": (torch.randn(17, 16), w, False), "k": (x, torch.randn(12, 8), False),
+            "odd": (x, torch.randn(11, 16), True), "dtype": (x, w.half(), False)}[case]
+    with pytest.raises(ValueError, match=match):
+        fused_ops.gemv(*args)
+
+
 # The kernels as they will be compiled on the H200 (sm_90): every pointer 16-byte aligned and every stride but the
 # unit ones divisible by 16, as Triton's launcher specialises them for the real shapes.
 _COMPILE_SM90 = r"""
@@ -516,6 +573,11 @@ compile_(fused_ops._gated_delta_rule_step_kernel,
          dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", A_log_ptr="*fp32",
               dt_bias_ptr="*fp32", s_ptr="*fp32", o_ptr="*bf16", scale="fp32", eps="fp32"),
          dict(GROUP=2, K=128, V=128, BLOCK_K=128, BLOCK_V=32), 4)
+for block_m in (1, 8):
+    for swiglu in (False, True):
+        for block_n, block_k, warps in fused_ops._GEMV_CONFIGS:
+            compile_(fused_ops._gemv_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16"),
+                     dict(SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), warps)
 """
 
 
@@ -530,7 +592,7 @@ def test_kernels_compile_for_sm90():
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count(" ok") == 2, proc.stdout
+    assert proc.stdout.count(" ok") == 2 + 4 * len(fused_ops._GEMV_CONFIGS), proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -625,3 +687,34 @@ def test_allocations_cuda():
         call(out)
         assert not torch.cuda.current_stream().query(), f"{call.__name__} waited for the GPU (host sync)"
         torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize(
+    "N,K,gate_up",
+    [(12352, 2560, False), (2560, 4096, False), (9216, 2560, True), (2560, 9216, False), (1024, 3584, False)],
+    ids=["4B-deltanet-in", "4B-out", "4B-gate-up", "4B-down", "0.8B-down"],
+)
+def test_gemv_cuda(dtype, M, N, K, gate_up):
+    for config in fused_ops._GEMV_CONFIGS:
+        check_gemv("cuda", dtype, M, N, K, gate_up, config=config)
+
+
+@pytest.mark.cuda
+def test_small_linear_picks_and_captures_cuda():
+    """The choice is made at the first eager call (timed), then the same choice replays inside a CUDA graph."""
+    fused_ops._small_linear_choice.clear()
+    x = torch.randn(1, 2560, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(18432, 2560, device="cuda", dtype=torch.bfloat16) / 50
+    eager = fused_ops.small_linear(x, w, gate_up=True)
+    (choice,) = fused_ops._small_linear_choice.values()
+    assert choice == "cublas" or choice in fused_ops._GEMV_CONFIGS
+    assert rel_err(eager.float(), fused_ops.gemv_ref(x, w, True).float()) <= BOUND[torch.bfloat16]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_ops.small_linear(x, w, gate_up=True)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert rel_err(out.float(), fused_ops.gemv_ref(x, w, True).float()) <= BOUND[torch.bfloat16]
