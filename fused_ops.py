@@ -1238,6 +1238,12 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> tor
     return _run_small_linear(x, w, gate_up, choice)
 
 
+def small_linear_choices() -> dict:
+    """A copy of the choices `small_linear` has made in this process: (M, N, K, gate_up, dtype, device) -> "cublas"
+    or the `gemv` config."""
+    return dict(_small_linear_choice)
+
+
 def small_linear_ref(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     """Plain-torch `small_linear`."""
     return gemv_ref(x, w, gate_up)

@@ -81,6 +81,7 @@ from .fused_ops import (
     rms_norm,
     sigmoid_gate_mul,
     small_linear,
+    small_linear_choices,
     swiglu,
 )
 
@@ -1473,6 +1474,12 @@ class _FusedPreTrainedMixin:
                 {"batch": st.batch, "max_len": st.max_len, "graph_captured": bool(st.graph), "cache_bytes": st.nbytes()}
                 for st in states.values()
             ],
+            # the per-shape choice of small_linear, timed at a first decode step in this process
+            "linears": {
+                f"{m}x{n}x{k}{' gate|up+SwiGLU' if gate_up else ''} {str(dtype).removeprefix('torch.')} {dev}":
+                "cublas" if choice == "cublas" else "gemv (BLOCK_N, BLOCK_K, warps) = {}".format(choice)
+                for (m, n, k, gate_up, dtype, dev), choice in small_linear_choices().items()
+            },
             "reason": reason,
         }
         if reason is None:
