@@ -25,8 +25,9 @@ off), on CPU, without triton / flash-linear-attention, in training mode, with gr
 fused path does not cover yet. ``describe()`` reports what runs where.
 
 Decode. For greedy and sampling ``generate`` calls the model hands generate a :class:`FusedDecodeCache` (fixed-address
-conv, recurrent and K/V buffers); the fused prefill fills it, and every later token is one fused step over those
-buffers (``_DecodeState.step``), replayed from a CUDA graph when ``cuda_graphs`` is on, inside a lean generate loop
+conv, recurrent and K/V buffers); the fused prefill fills it (from a bucket's second prompt on, replayed from a
+captured, left-padded prefill: ``_PrefillGraph``), and every later token is one fused step over those buffers
+(``_DecodeState.step``), replayed from a CUDA graph when ``cuda_graphs`` is on, inside a lean generate loop
 (``_fused_sample``). Other generation modes keep the stock cache and decode code (announced once). A model split over
 several GPUs (``device_map``) runs the same step eagerly, each layer's buffers on its own device.
 
@@ -529,6 +530,8 @@ class _DecodeState:
         self.graph_weights = None
         self.warm = False
         self.owner = None
+        self.prefill_graphs = {}  # prompt-length bucket -> _PrefillGraph
+        self.prefill_calls = {}  # prompt-length bucket -> prefills seen (captured on the second)
 
     def _allocate(self, text_model, batch: int, max_len: int) -> None:
         weight = text_model.embed_tokens.weight
@@ -563,6 +566,7 @@ class _DecodeState:
 
     def drop_graph(self) -> None:
         self.graph, self.graph_out, self.graph_weights, self.warm = None, None, None, False
+        self.prefill_graphs, self.prefill_calls = {}, {}
 
     def load_positions(self, position_ids, past: int, seq_len: int, advance: int) -> None:
         """Set ``positions`` [3, B, 1] to the last of ``position_ids`` plus ``advance``, reading them as stock's text
@@ -709,12 +713,14 @@ class FusedDecodeCache(Cache):
     refuses to run (instead of reading another request's state).
     """
 
-    def __init__(self, state: _DecodeState, layer_types, use_graph: bool):
+    def __init__(self, state: _DecodeState, layer_types, use_graph: bool, budget: int | None = None):
         super().__init__(layers=[])
         self._state = state
         self._layer_types = list(layer_types)
         self._use_graph = use_graph
-        self._seq_len = 0
+        self._budget = budget  # tokens generate will hold at most (prompt + new), when generate said so
+        self._seq_len = 0  # tokens cached (prompt + generated), as generate counts them
+        self._pad = 0  # left padding a captured prefill added before the prompt: the next slot is _seq_len + _pad
         self._overrun = False
         state.owner = self
 
@@ -846,10 +852,10 @@ class FusedDecodeCache(Cache):
         batch, seq_len = x.shape[:2]
         if batch != st.batch:
             raise ValueError(f"This fused decode cache holds batch size {st.batch}, got inputs of batch size {batch}.")
-        if self._seq_len + seq_len > st.max_len:
+        if self._seq_len + self._pad + seq_len > st.max_len:
             raise ValueError(
-                f"The fused decode cache holds {st.max_len} tokens; {self._seq_len} are cached and {seq_len} more "
-                "were passed."
+                f"The fused decode cache holds {st.max_len} tokens; {self._seq_len + self._pad} are taken and "
+                f"{seq_len} more were passed."
             )
         if self._seq_len == 0:
             out = self._prefill(text_model, input_ids, attention_mask, position_ids, inputs_embeds, kwargs)
@@ -877,6 +883,9 @@ class FusedDecodeCache(Cache):
         for kw in _CACHE_KWS:
             kwargs.pop(kw, None)
         kwargs["use_cache"] = False
+        out = self._graphed_prefill(text_model, input_ids, attention_mask, position_ids, inputs_embeds, kwargs)
+        if out is not None:
+            return out
         layers = text_model.layers
         # The stock forward builds the prompt's masks as for an empty cache (which this is) and the fused layers
         # write their state here through the side channel read by FusedDecoderLayer.
@@ -903,11 +912,58 @@ class FusedDecodeCache(Cache):
         st.load_positions(position_ids, 0, seq_len, advance=1)  # the first generated token: one past the prompt
         return out
 
+    def _graphed_prefill(self, text_model, input_ids, attention_mask, position_ids, inputs_embeds, kwargs):
+        """The prompt through the state's captured prefill for its length bucket (left-padded; see
+        :class:`_PrefillGraph`), or None: the bucket's first prompt, or a prompt the graph does not cover (said once).
+        """
+        st = self._state
+        if not resolve_switch(text_model.config, "cuda_graphs") or st.device.type not in _FUSED_DEVICE_TYPES:
+            return None
+        reason = None
+        if inputs_embeds is not None or input_ids is None:
+            reason = "the prompt came as inputs_embeds"
+        elif position_ids is not None and position_ids.dim() != 2:
+            reason = "the prompt has 3D mRoPE position ids"
+        elif st.multi_device:
+            reason = "the model is split over several devices"
+        elif input_ids.shape[1] > _FORWARD_GRAPH_MAX_LEN:
+            reason = f"the prompt is longer than {_FORWARD_GRAPH_MAX_LEN} tokens"
+        elif self._budget is None or _forward_len_bucket(input_ids.shape[1]) + self._budget - input_ids.shape[1] > st.max_len:
+            reason = "the padded prompt and the new tokens do not fit the cache bucket"
+        else:
+            extra = [k for k, v in kwargs.items() if k != "use_cache" and v not in _GRAPH_NEUTRAL_KWARGS.get(k, (None,))]
+            reason = f"generate passed {extra[0]}" if extra else None
+        if reason is not None:
+            _announce(f"prefill-graph/{reason}", f"Qwen3.5 fused kernels: the prompt runs without a CUDA graph because {reason}.")
+            return None
+        seq_len = input_ids.shape[1]
+        length = _forward_len_bucket(seq_len)
+        graph = st.prefill_graphs.get(length)
+        if graph is None:
+            st.prefill_calls[length] = st.prefill_calls.get(length, 0) + 1
+            if st.prefill_calls[length] < _FORWARD_GRAPH_AFTER:
+                return None
+            graph = st.prefill_graphs[length] = _PrefillGraph(st, length)
+        elif graph.graph and not graph.weights.unchanged():
+            graph.drop()  # a weight moved since the capture: capture again
+        pad = graph.load(input_ids, attention_mask, position_ids)
+        if "_forward_graph_pool" not in text_model.__dict__ and st.device.type == "cuda":
+            text_model._forward_graph_pool = torch.cuda.graph_pool_handle()
+        hidden = graph.run(text_model, self, text_model.__dict__.get("_forward_graph_pool"))
+        if hidden is None:
+            return None  # capture failed (announced): this prompt runs eagerly
+        st.key_valid.zero_()
+        st.key_valid[:, :length].copy_(graph.mask)
+        st.slot.fill_(length)
+        st.load_positions(position_ids, 0, seq_len, advance=1)
+        self._pad = pad
+        return BaseModelOutputWithPast(last_hidden_state=hidden[:, pad:].clone())
+
     def next_token(self, text_model, tokens: torch.Tensor) -> torch.Tensor:
         """Run the step for ``tokens`` [B] (the tokens just chosen) at the positions that follow the previous step's;
         returns the final-norm hidden state [B, 1, hidden]. Used by the fused generate loop (``_fused_sample``)."""
         st = self._buffers()
-        if self._seq_len >= st.max_len:
+        if self._seq_len + self._pad >= st.max_len:
             raise ValueError(f"The fused decode cache holds {st.max_len} tokens and is full.")
         weight = text_model.embed_tokens.weight
         torch.index_select(weight, 0, tokens.to(weight.device), out=st.embeds.view(st.batch, -1))
@@ -1172,26 +1228,108 @@ class _ForwardGraph:
         return self.out[:, :seq_len].clone()
 
     def _capture(self, text_model, pool) -> None:
-        for module in text_model.modules():  # pack outside the capture, so no packing allocates inside it
-            if isinstance(module, _FusedModule) and module._fused_groups:
-                module._packed_weight()
-        self._forward(text_model)  # warm at the padded shape: every autotuned / JIT kernel compiled before capture
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(text_model)
-        except Exception as err:  # noqa: BLE001 - any capture failure: this bucket runs eagerly, said once
+        captured = _capture_graph(text_model, lambda: self._forward(text_model), pool, "forward")
+        if captured is None:
             self.graph = False
-            _announce(
-                f"forward-graph-capture/{type(err).__name__}",
-                f"Qwen3.5 fused kernels: CUDA graph capture of the forward failed ({type(err).__name__}: {err}); "
-                "running the fused forward without graphs.",
-            )
             return
-        self.graph, self.out, self.weights = graph, out, _WeightsSnapshot(text_model)
+        self.graph, self.out = captured
+        self.weights = _WeightsSnapshot(text_model)
 
     def drop(self) -> None:
         self.graph = self.out = self.masks = None
+
+
+class _PrefillGraph:
+    """The prompt forward of the fused ``generate`` path, captured per prompt-length bucket of one decode state.
+
+    The prompt is LEFT-padded to the bucket with masked positions (attention mask 0; ``ids``, ``mask``, ``positions``
+    [B, L] at fixed addresses). The DeltaNet layers zero the hidden states of masked positions, and with no conv
+    bias a zero input gives k = v = 0, so the conv window and the recurrent state after the prompt are the real
+    tokens' exactly (zeros stay zeros, the decay of a zero state is zero); attention never reads the pads' K/V (the
+    decode step's key mask starts from ``mask``). The real tokens keep their positions (``position_ids`` as given,
+    or stock's default 0..T-1). Through the side channel the eager prefill uses, the replay writes the state's conv,
+    recurrent and K/V buffers in place, so the first decode step continues at slot L.
+
+    Off CUDA (the CPU emulation in the tests) the same padded forward runs eagerly, with no capture.
+    """
+
+    def __init__(self, state: _DecodeState, length: int):
+        with torch.inference_mode(False):  # written in place under no_grad and inference_mode alike
+            shape = (state.batch, length)
+            self.ids = torch.zeros(shape, dtype=torch.long, device=state.device)
+            self.mask = torch.zeros(shape, dtype=torch.long, device=state.device)
+            self.positions = torch.zeros(shape, dtype=torch.long, device=state.device)
+            self.arange = torch.arange(length, device=state.device)
+        self.length = length
+        self.graph = None
+        self.out = None
+        self.weights = None
+
+    def load(self, input_ids, attention_mask, position_ids) -> int:
+        """Copy the prompt [B, T] into the buffers' tail; returns the left padding L - T."""
+        pad = self.length - input_ids.shape[1]
+        self.ids[:, :pad].zero_()
+        self.ids[:, pad:].copy_(input_ids)
+        self.mask[:, :pad].zero_()
+        if attention_mask is None:
+            self.mask[:, pad:].fill_(1)
+        else:
+            self.mask[:, pad:].copy_(attention_mask)
+        if position_ids is None:  # stock: 0..T-1 for every row
+            torch.sub(self.arange.expand_as(self.positions), pad, out=self.positions)
+        else:
+            self.positions[:, :pad].zero_()
+            self.positions[:, pad:].copy_(position_ids)
+        return pad
+
+    def _forward(self, text_model, cache) -> torch.Tensor:
+        try:
+            for layer in text_model.layers:
+                layer._prefill_cache = cache
+            return Qwen3_5TextModel.forward(
+                text_model, input_ids=self.ids, attention_mask=self.mask, position_ids=self.positions, use_cache=False
+            ).last_hidden_state
+        finally:
+            for layer in text_model.layers:
+                layer._prefill_cache = None
+
+    def run(self, text_model, cache, pool) -> torch.Tensor | None:
+        if self.ids.device.type != "cuda":
+            return self._forward(text_model, cache)
+        if self.graph is None:
+            captured = _capture_graph(text_model, lambda: self._forward(text_model, cache), pool, "prompt (prefill)")
+            self.graph, self.out = captured if captured else (False, None)
+            if captured:
+                self.weights = _WeightsSnapshot(text_model)
+        if self.graph is False:
+            return None
+        self.graph.replay()
+        return self.out
+
+    def drop(self) -> None:
+        self.graph = self.out = None
+
+
+def _capture_graph(text_model, forward, pool, what: str):
+    """Pack every projection group, run ``forward()`` once eagerly (every autotuned / JIT kernel is compiled before
+    the capture), capture it into a new graph on ``pool``, and return ``(graph, output)``; None after a failed capture
+    (said once; the caller runs eagerly)."""
+    for module in text_model.modules():  # pack outside the capture, so no packing allocates inside it
+        if isinstance(module, _FusedModule) and module._fused_groups:
+            module._packed_weight()
+    forward()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+    except Exception as err:  # noqa: BLE001 - any capture failure: eager, said once
+        _announce(
+            f"graph-capture/{what}/{type(err).__name__}",
+            f"Qwen3.5 fused kernels: CUDA graph capture of the {what} failed ({type(err).__name__}: {err}); running "
+            "it with the fused kernels without graphs.",
+        )
+        return None
+    return graph, out
 
 
 _MASK_CACHE_KW = "cache" if "cache" in inspect.signature(stock.create_causal_mask).parameters else "past_key_values"
@@ -1385,7 +1523,7 @@ class _FusedPreTrainedMixin:
                         "step runs without CUDA graphs (one graph cannot span devices).",
                     )
                 layer_types = text_model.config.layer_types[: text_model.config.num_hidden_layers]
-                model_kwargs[_GENERATE_CACHE_KW] = FusedDecodeCache(state, layer_types, use_graph)
+                model_kwargs[_GENERATE_CACHE_KW] = FusedDecodeCache(state, layer_types, use_graph, max_cache_length + 1)
                 return None
             _announce(
                 f"decode/{reason}",
@@ -1471,7 +1609,8 @@ class _FusedPreTrainedMixin:
             "falls_back": "beam search, assisted / contrastive decoding, a cache passed in, cache_implementation, "
             "output_attentions / output_hidden_states (a model split over devices decodes fused, without graphs)",
             "buckets": [
-                {"batch": st.batch, "max_len": st.max_len, "graph_captured": bool(st.graph), "cache_bytes": st.nbytes()}
+                {"batch": st.batch, "max_len": st.max_len, "graph_captured": bool(st.graph), "cache_bytes": st.nbytes(),
+                 "prompt_buckets_captured": sorted(n for n, g in st.prefill_graphs.items() if g.graph)}
                 for st in states.values()
             ],
             # the per-shape choice of small_linear, timed at a first decode step in this process

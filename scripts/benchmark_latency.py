@@ -263,7 +263,8 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
             if device.type == "cuda":
                 torch.cuda.synchronize()
 
-        run(4)  # warm: autotune, graph capture
+        for _ in range(2):  # warm: autotune, the decode step's graph (first call), the prompt's graph (second call)
+            run(4)
         t0 = time.perf_counter()
         run(1)
         t1 = time.perf_counter()
@@ -272,14 +273,16 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
         run(new_tokens)
         t2 = time.perf_counter()
         per_token = ((t2 - t1) - (t1 - t0)) / (new_tokens - 1) * 1e3
-        out[name] = {"ms_per_token": per_token, "tokens_per_s": batch * 1e3 / per_token}
+        # first_token_ms: a whole generate call for one new token (prompt forward + LM head + generate's set-up)
+        out[name] = {"ms_per_token": per_token, "tokens_per_s": batch * 1e3 / per_token,
+                     "first_token_ms": (t1 - t0) * 1e3}
         if device.type == "cuda":
             out[name]["peak_bytes"] = torch.cuda.max_memory_allocated(device)
         if graphs is not None:
             model.config.cuda_graphs = saved
             buckets = model.describe()["decode"]["buckets"]
             out[name]["cache_bytes"] = max((b["cache_bytes"] for b in buckets if b["batch"] == batch), default=0)
-        log(f"decode batch={batch} {name}: {per_token:.3f} ms/token")
+        log(f"decode batch={batch} {name}: {per_token:.3f} ms/token, first token {(t1 - t0) * 1e3:.2f} ms")
     return out
 
 
@@ -412,8 +415,9 @@ def to_markdown(results: dict) -> str:
         lines.append(f"| {name} | {s['all']['n']} | {fmt(s['all'])} | {fmt(e['all']) if e else '-'} | {fmt(f['all'])} | "
                      f"{s['all']['median'] / f['all']['median']:.2f}x | {long} |")
     lines += ["", "| model | batch | stock ms/token | fused eager ms/token | fused + graphs ms/token | speed-up | "
-              "fused tokens/s | weight-read floor ms | fused / floor | peak GiB stock / fused (cache) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "fused tokens/s | weight-read floor ms | fused / floor | peak GiB stock / fused (cache) | "
+              "first token ms stock / fused |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["models"].items():
         for batch, d in r.get("decode", {}).items():
             floor = r["floors"].get("decode_ms") if r["floors"] else None
@@ -425,7 +429,9 @@ def to_markdown(results: dict) -> str:
                         f"({d['fused'].get('cache_bytes', 0) / 2**30:.3f})")
             lines.append(f"| {name} | {batch} | {s:.2f} | {'-' if e is None else f'{e:.2f}'} | {f:.3f} | {s / f:.1f}x | "
                          f"{d['fused']['tokens_per_s']:.0f} | "
-                         + (f"{floor:.3f} | {f / floor:.2f}x |" if floor else "- | - |") + f" {peak} |")
+                         + (f"{floor:.3f} | {f / floor:.2f}x |" if floor else "- | - |") + f" {peak} | "
+                         + (f"{d['stock']['first_token_ms']:.1f} / {d['fused']['first_token_ms']:.1f} |"
+                            if "first_token_ms" in d["fused"] else "- |"))
     mem = [(n, r["memory"]) for n, r in results["models"].items() if r.get("memory")]
     if mem:
         lines += ["", "| model | peak memory stock GiB | fused eager GiB | fused + graphs GiB | fused + graphs / stock |",

@@ -312,3 +312,47 @@ def test_step_across_devices_matches_stock(monkeypatch):
     a, b = _both(stock, fused, ids, mask, max_new_tokens=5, do_sample=False)
     assert isinstance(cache_of(b), modeling.FusedDecodeCache) and cache_of(b)._state.multi_device
     _assert_same(a, b)
+
+
+@pytest.mark.parametrize("seq_len,batch,pad_rows", [(1, 1, ()), (7, 3, ((0, 3), (1, 1))), (129, 2, ((1, 40),))])
+def test_padded_prefill_matches_stock(seq_len, batch, pad_rows):
+    """From a bucket's second prompt on, the prompt runs left-padded to its length bucket (the captured prefill on
+    the GPU, the same padded forward eagerly here): tokens, every step's scores and the state must stay stock's."""
+    stock, fused = stock_and_fused_lm(seed=0)
+    ids, mask = _prompts(batch, seq_len, pad_rows=pad_rows)
+    for _ in range(3):
+        a, b = _both(stock, fused, ids, mask, max_new_tokens=6, do_sample=False)
+        _assert_same(a, b)
+    cache = cache_of(b)
+    length = modeling._forward_len_bucket(seq_len)
+    assert length in cache._state.prefill_graphs and cache._pad == length - seq_len > 0
+
+
+def test_prefill_that_does_not_fit_runs_unpadded(caplog):
+    """A padded prompt plus the new tokens must fit the cache bucket; otherwise the prompt runs unpadded, said once."""
+    stock, fused = stock_and_fused_lm(seed=0)
+    ids, mask = _prompts(1, 129, pad_rows=())  # bucket 192 + 100 new > the 256 cache
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            a, b = _both(stock, fused, ids, mask, max_new_tokens=100, do_sample=False)
+            _assert_same(a, b)
+    assert not cache_of(b)._state.prefill_graphs and cache_of(b)._pad == 0
+    assert sum("do not fit the cache bucket" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_prefill_graph_load_places_the_prompt_at_the_tail():
+    """The padded buffers: pads in front (mask 0), the prompt at the tail with its own positions (stock's 0..T-1 when
+    none are given)."""
+    _, fused = stock_and_fused_lm(seed=0)
+    state = modeling._DecodeState(fused.model, 2, 256)
+    graph = modeling._PrefillGraph(state, 64)
+    ids = torch.randint(3, 200, (2, 5))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    for positions in (None, torch.arange(10, 15).expand(2, 5)):
+        graph.ids.fill_(7)  # stale content from an earlier, longer prompt
+        assert graph.load(ids, mask, positions) == 59
+        assert torch.equal(graph.ids[:, 59:], ids) and not graph.ids[:, :59].any()
+        assert torch.equal(graph.mask[:, 59:], mask) and not graph.mask[:, :59].any()
+        want = torch.arange(5) if positions is None else positions[0]
+        assert torch.equal(graph.positions[:, 59:], want.expand(2, 5))
+    assert graph.load(ids, None, None) == 59 and graph.mask[:, 59:].all()
