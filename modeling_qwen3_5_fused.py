@@ -31,9 +31,10 @@ captured, left-padded prefill: ``_PrefillGraph``), and every later token is one 
 (``_fused_sample``). Other generation modes keep the stock cache and decode code (announced once). A model split over
 several GPUs (``device_map``) runs the same step eagerly, each layer's buffers on its own device.
 
-Scoring forwards. A forward without a cache (``use_cache=False``, no padding) under ``no_grad`` / ``inference_mode``
-is right-padded to a length bucket and replayed from a CUDA graph captured on the bucket's second call
-(``_ForwardGraph``); other forwards run the fused kernels eagerly.
+Forwards. A forward under ``no_grad`` / ``inference_mode`` is replayed from a CUDA graph per length bucket, captured
+on the bucket's second call: right-padded when it has no cache, padding or position ids (``_ForwardGraph``),
+otherwise left-padded with masked positions, the returned cache built from the bucket's state
+(``_MaskedForwardGraph``). Other forwards run the fused kernels eagerly.
 """
 
 import contextlib
@@ -943,7 +944,7 @@ class FusedDecodeCache(Cache):
             st.prefill_calls[length] = st.prefill_calls.get(length, 0) + 1
             if st.prefill_calls[length] < _FORWARD_GRAPH_AFTER:
                 return None
-            graph = st.prefill_graphs[length] = _PrefillGraph(st, length)
+            graph = st.prefill_graphs[length] = _PrefillGraph(st.batch, st.device, length)
         elif graph.graph and not graph.weights.unchanged():
             graph.drop()  # a weight moved since the capture: capture again
         pad = graph.load(input_ids, attention_mask, position_ids)
@@ -1071,13 +1072,13 @@ class _FusedTextForward:
         cache = next((kwargs[kw] for kw in _CACHE_KWS if kwargs.get(kw) is not None), None)
         if isinstance(cache, FusedDecodeCache):
             return cache.run(self, **kwargs)
-        blocker = _forward_graph_blocker(self, kwargs)
-        if blocker is None:
-            out = _graphed_forward(self, kwargs)
+        path, reason = _forward_graph_plan(self, kwargs)
+        if path is not None:
+            out = _graphed_forward(self, kwargs, path)
             if out is not None:
                 return out
-        elif blocker:
-            _announce(f"forward-graph/{blocker}", f"Qwen3.5 fused kernels: forward without CUDA graphs because {blocker}.")
+        elif reason:
+            _announce(f"forward-graph/{reason}", f"Qwen3.5 fused kernels: forward without CUDA graphs because {reason}.")
         return super().forward(**kwargs)
 
 
@@ -1151,6 +1152,9 @@ _FORWARD_GRAPH_MAX_LEN = 8192
 # Captured forwards kept per model (least recently used freed first). They share one memory pool, so the pool is as
 # large as the largest bucket's activations, not their sum.
 _MAX_FORWARD_GRAPHS = 16
+# Of those, the ones that return a cache (each keeps a bucket-sized conv / recurrent / K-V state: ~115 MB at the 4B
+# shape and 2,048 tokens).
+_MAX_CACHE_FORWARD_GRAPHS = 4
 # A bucket is captured on its second call: a length seen once runs eagerly, at its own length.
 _FORWARD_GRAPH_AFTER = 2
 
@@ -1253,13 +1257,13 @@ class _PrefillGraph:
     Off CUDA (the CPU emulation in the tests) the same padded forward runs eagerly, with no capture.
     """
 
-    def __init__(self, state: _DecodeState, length: int):
+    def __init__(self, batch: int, device: torch.device, length: int):
         with torch.inference_mode(False):  # written in place under no_grad and inference_mode alike
-            shape = (state.batch, length)
-            self.ids = torch.zeros(shape, dtype=torch.long, device=state.device)
-            self.mask = torch.zeros(shape, dtype=torch.long, device=state.device)
-            self.positions = torch.zeros(shape, dtype=torch.long, device=state.device)
-            self.arange = torch.arange(length, device=state.device)
+            shape = (batch, length)
+            self.ids = torch.zeros(shape, dtype=torch.long, device=device)
+            self.mask = torch.zeros(shape, dtype=torch.long, device=device)
+            self.positions = torch.zeros(shape, dtype=torch.long, device=device)
+            self.arange = torch.arange(length, device=device)
         self.length = length
         self.graph = None
         self.out = None
@@ -1338,52 +1342,64 @@ _GRAPH_NEUTRAL_KWARGS = {"return_dict": (None, True), "output_attentions": (None
                          "output_hidden_states": (None, False), "cache_position": (None,)}
 
 
-def _forward_graph_blocker(text_model, kwargs: dict) -> str | None:
-    """One decision point for the graphed forward. ``""``: not applicable, silently (graphs off, or the fused path
-    itself is not taken, which the fused modules announce); a reason: announced once, then the eager fused forward."""
+def _forward_graph_plan(text_model, kwargs: dict) -> tuple[str | None, str]:
+    """One decision point for the graphed forward: ``(path, reason)``.
+
+    - ``("right", "")``: no cache, no padding, no position ids: right-padded to the bucket (:class:`_ForwardGraph`,
+      SDPA's causal fast path).
+    - ``("masked", "")`` / ``("masked+cache", "")``: a padded batch, explicit 2D position ids, or a call that returns
+      a cache: left-padded with masked positions (:class:`_PrefillGraph`, exact for the state), the cache built
+      from the bucket's state buffers.
+    - ``(None, "")``: eager, silently (graphs off, or the fused path itself not taken, which the fused modules
+      announce); ``(None, reason)``: eager, said once.
+    """
     if not (text_model._fused_enabled and text_model._fused_unavailable is None):
-        return ""
+        return None, ""
     if not resolve_switch(text_model.config, "cuda_graphs") or text_model.training or torch.is_grad_enabled():
-        return ""
+        return None, ""
     ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
     x = ids if ids is not None else embeds
     if x is None or (ids is None) == (embeds is None) or x.device.type not in _FUSED_DEVICE_TYPES:
-        return ""
-    use_cache = kwargs.get("use_cache")
-    if use_cache is None:
-        use_cache = getattr(text_model.config, "use_cache", False)
-    if use_cache or any(kwargs.get(kw) is not None for kw in _CACHE_KWS):
-        return "the call uses a cache (pass use_cache=False to a scoring forward to get the graph)"
+        return None, ""
+    if any(kwargs.get(kw) is not None for kw in _CACHE_KWS):
+        return None, "the call continues from a cache"
     if x.shape[1] > _FORWARD_GRAPH_MAX_LEN:
-        return f"the input has {x.shape[1]} tokens, more than the {_FORWARD_GRAPH_MAX_LEN} captured"
-    if kwargs.get("position_ids") is not None:
-        return "position_ids were passed"
+        return None, f"the input has {x.shape[1]} tokens, more than the {_FORWARD_GRAPH_MAX_LEN} captured"
     device = text_model.embed_tokens.weight.device
     if text_model.norm.weight.device != device or any(
         layer.input_layernorm.weight.device != device for layer in text_model.layers
     ):
-        return "the model is split over several devices (device_map); one graph cannot span devices"
+        return None, "the model is split over several devices (device_map); one graph cannot span devices"
     for name, value in kwargs.items():
         if name in ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "use_cache", *_CACHE_KWS):
             continue
         if value not in _GRAPH_NEUTRAL_KWARGS.get(name, (None,)):
-            return f"the argument {name}={value!r}"
-    mask = kwargs.get("attention_mask")
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-            return "the attention mask is not a 2D padding mask"
-        if not bool(mask.all()):  # one host read per call: a padded batch runs eagerly
-            return "the batch is padded (attention_mask has zeros)"
-    return None
+            return None, f"the argument {name}={value!r}"
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(text_model.config, "use_cache", False)
+    mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+        return None, "the attention mask is not a 2D padding mask"
+    if positions is not None and positions.dim() != 2:
+        return None, "the position ids are not 2D (mRoPE position ids run eagerly)"
+    padded = mask is not None and not bool(mask.all())  # one host read per call with a mask
+    if not use_cache and not padded and positions is None:
+        return "right", ""
+    if embeds is not None:
+        return None, "inputs_embeds come with a cache, padding or position ids"
+    return ("masked+cache" if use_cache else "masked"), ""
 
 
-def _graphed_forward(text_model, kwargs: dict) -> BaseModelOutputWithPast:
-    """The no-cache forward from the model's captured graph for this bucket (captured on the bucket's second call)."""
+def _graphed_forward(text_model, kwargs: dict, path: str) -> BaseModelOutputWithPast | None:
+    """The forward from the model's captured graph for this bucket and path (captured on the bucket's second call);
+    None when it runs eagerly instead (the bucket's first call, or a failed capture)."""
     ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
     x = ids if ids is not None else embeds
     batch, seq_len = x.shape[:2]
     weight = text_model.embed_tokens.weight
-    key = (batch, _forward_len_bucket(seq_len), embeds is not None, weight.dtype, weight.device)
+    key = (path if path != "right" else ("right", embeds is not None), batch, _forward_len_bucket(seq_len),
+           weight.dtype, weight.device)
     graphs = text_model.__dict__.setdefault("_forward_graphs", {})
     seen = text_model.__dict__.setdefault("_forward_graph_calls", {})
     entry = graphs.pop(key, None)
@@ -1395,16 +1411,79 @@ def _graphed_forward(text_model, kwargs: dict) -> BaseModelOutputWithPast:
             return None
         while len(graphs) >= _MAX_FORWARD_GRAPHS:
             graphs.pop(next(iter(graphs))).drop()
-        entry = _ForwardGraph(text_model, batch, key[1], embeds is not None)
+        if path == "masked+cache":  # each holds a bucket of state (K/V, conv, recurrent): fewer of them
+            cached = [k for k in graphs if k[0] == "masked+cache"]
+            if len(cached) >= _MAX_CACHE_FORWARD_GRAPHS:
+                graphs.pop(cached[0]).drop()
+        if path == "right":
+            entry = _ForwardGraph(text_model, batch, key[2], embeds is not None)
+        else:
+            entry = _MaskedForwardGraph(text_model, batch, key[2], path == "masked+cache")
     elif entry.graph and not entry.weights.unchanged():
         entry.drop()  # a parameter was replaced since the capture: capture again
     graphs[key] = entry  # most recently used last
     if "_forward_graph_pool" not in text_model.__dict__ and weight.device.type == "cuda":
         text_model._forward_graph_pool = torch.cuda.graph_pool_handle()
-    hidden = entry.run(text_model, x, text_model.__dict__.get("_forward_graph_pool"))
-    if hidden is None:
+    pool = text_model.__dict__.get("_forward_graph_pool")
+    if path == "right":
+        hidden, cache = entry.run(text_model, x, pool), None
+        return None if hidden is None else BaseModelOutputWithPast(last_hidden_state=hidden, **{_OUTPUT_CACHE_FIELD: None})
+    out = entry.run(text_model, ids, kwargs.get("attention_mask"), kwargs.get("position_ids"), pool)
+    if out is None:
         return None
-    return BaseModelOutputWithPast(last_hidden_state=hidden, **{_OUTPUT_CACHE_FIELD: None})
+    hidden, cache = out
+    return BaseModelOutputWithPast(last_hidden_state=hidden, **{_OUTPUT_CACHE_FIELD: cache})
+
+
+class _MaskedForwardGraph:
+    """A forward with padding, position ids or a returned cache, captured per (batch, length bucket): the input
+    left-padded with masked positions through a :class:`_PrefillGraph`. With a cache, the graph also writes the
+    conv / recurrent / K-V state into a bucket-sized :class:`_DecodeState` (the same side channel as generate's
+    prefill), from which each call builds the stock ``DynamicCache`` stock's forward would return: the real tokens'
+    K/V (the tail), the conv window and the recurrent state, copied out."""
+
+    def __init__(self, text_model, batch: int, length: int, with_cache: bool):
+        weight = text_model.embed_tokens.weight
+        self.prefill = _PrefillGraph(batch, weight.device, length)
+        self.state = _DecodeState(text_model, batch, length) if with_cache else None
+        self.weights = None
+
+    @property
+    def graph(self):
+        return self.prefill.graph
+
+    def run(self, text_model, input_ids, attention_mask, position_ids, pool):
+        pad = self.prefill.load(input_ids, attention_mask, position_ids)
+        writer = None
+        if self.state is not None:
+            layer_types = text_model.config.layer_types[: text_model.config.num_hidden_layers]
+            writer = FusedDecodeCache(self.state, layer_types, use_graph=False)
+        hidden = self.prefill.run(text_model, writer, pool)
+        if hidden is None:
+            return None
+        self.weights = self.prefill.weights
+        hidden = hidden[:, pad:].clone()
+        return hidden, (None if self.state is None else _stock_cache_from_state(text_model, self.state, pad))
+
+    def drop(self) -> None:
+        self.prefill.drop()
+
+
+def _stock_cache_from_state(text_model, state: _DecodeState, pad: int):
+    """The stock ``DynamicCache`` a stock forward over the real tokens returns, from a left-padded bucket's state:
+    through the same update calls the fused layers make on a stock cache, with copies (the buffers are reused)."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache(config=text_model.config)
+    extra = {"kwargs": {}} if _ATTENTION_CACHE_KW == "cache" else {}
+    for i, layer in enumerate(text_model.layers[: text_model.config.num_hidden_layers]):
+        if layer.block_type == "linear_attention":
+            m = layer.linear_attn
+            cache.update_conv_state(state.conv[i].clone(), i, conv_kernel_size=m.conv_kernel_size)
+            cache.update_recurrent_state(state.recurrent[i].clone(), i)
+        else:
+            cache.update(state.keys[i][:, :, pad:].clone(), state.values[i][:, :, pad:].clone(), i, **extra)
+    return cache
 
 
 def _release_forward_graphs(text_model) -> None:
@@ -1625,10 +1704,12 @@ class _FusedPreTrainedMixin:
             kinds["linear_attention"]["falls_back"] = "decode steps outside generate()'s fused cache (stock cache)"
         forward_graphs = {
             "used": bool(graphs and reason is None and device.type == "cuda"),
-            "covers": f"forwards without a cache (use_cache=False), without padding or position_ids, up to "
-            f"{_FORWARD_GRAPH_MAX_LEN} tokens, under no_grad / inference_mode; captured on a bucket's second call",
+            "covers": f"forwards under no_grad / inference_mode up to {_FORWARD_GRAPH_MAX_LEN} tokens, captured on a "
+            "bucket's second call: right-padded without cache, padding or position ids; left-padded with masked "
+            "positions otherwise (padded batches, 2D position ids, a returned cache)",
             "buckets": [
-                {"batch": key[0], "length": key[1], "inputs_embeds": key[2], "graph_captured": bool(entry.graph)}
+                {"path": "right-padded" if isinstance(key[0], tuple) else key[0], "batch": key[1], "length": key[2],
+                 "inputs_embeds": isinstance(key[0], tuple) and key[0][1], "graph_captured": bool(entry.graph)}
                 for key, entry in (text_model.__dict__.get("_forward_graphs") or {}).items()
             ],
         }

@@ -344,8 +344,7 @@ def test_prefill_graph_load_places_the_prompt_at_the_tail():
     """The padded buffers: pads in front (mask 0), the prompt at the tail with its own positions (stock's 0..T-1 when
     none are given)."""
     _, fused = stock_and_fused_lm(seed=0)
-    state = modeling._DecodeState(fused.model, 2, 256)
-    graph = modeling._PrefillGraph(state, 64)
+    graph = modeling._PrefillGraph(2, fused.model.embed_tokens.weight.device, 64)
     ids = torch.randint(3, 200, (2, 5))
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
     for positions in (None, torch.arange(10, 15).expand(2, 5)):

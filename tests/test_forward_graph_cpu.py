@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from helpers import modeling, new_weights, rel_err, run_stock, stock_and_fused_lm
+from helpers import cache_of, modeling, new_weights, rel_err, run_stock, stock_and_fused_lm
 from helpers import fused_on_cpu  # noqa: F401 - the fixture, used by every test below
 
 pytestmark = pytest.mark.usefixtures("fused_on_cpu")
@@ -76,27 +76,83 @@ def test_output_is_a_copy_not_the_graph_buffer():
     assert torch.equal(a, kept)
 
 
+def _call_inputs(kind, seq_len=7, batch=2, seed=3):
+    ids = torch.randint(3, 200, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+    kwargs = {}
+    if "left" in kind or "right" in kind:
+        mask = torch.ones_like(ids)
+        pad = max(1, seq_len // 3)
+        if "left" in kind:
+            mask[1, :pad] = 0
+        else:
+            mask[1, seq_len - pad :] = 0
+        kwargs["attention_mask"] = mask
+    if "positions" in kind:
+        kwargs["position_ids"] = torch.arange(3, 3 + seq_len).expand(batch, seq_len)
+    if "no-cache" in kind:
+        kwargs["use_cache"] = False
+    return ids, kwargs
+
+
+def _next_logits(stock, cache, ids, kwargs):
+    """One more token through the stock model on `cache` (the returned cache must continue like stock's)."""
+    mask = kwargs.get("attention_mask")
+    if mask is not None:
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    step = {"attention_mask": mask, modeling._GENERATE_CACHE_KW: cache}
+    if "position_ids" in kwargs:
+        step["position_ids"] = kwargs["position_ids"][:, -1:] + 1
+    return run_stock(stock, ids[:, -1:], **step).logits
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 129])
+@pytest.mark.parametrize(
+    "kind", ["cache", "cache-left", "cache-right-positions", "no-cache-left", "no-cache-right", "no-cache-positions"]
+)
+def test_masked_bucket_forward_matches_stock(kind, seq_len):
+    """Padded batches, position ids and calls that return a cache take the left-padded masked graph: logits on the
+    real positions equal stock's, and a returned cache continues exactly as stock's own."""
+    if seq_len == 1 and ("left" in kind or "right" in kind):
+        pytest.skip("a one-token row cannot be padded")
+    stock, fused = stock_and_fused_lm()
+    ids, kwargs = _call_inputs(kind, seq_len)
+    valid = kwargs.get("attention_mask", torch.ones_like(ids)).bool()
+    with torch.no_grad():
+        ref = run_stock(stock, ids, **kwargs)
+        outs = [fused(ids, **kwargs) for _ in range(3)]  # eager, captured (padded), replayed (padded)
+        entries = [key for key in _graphs(fused) if key[0] != ("right", False)]
+        assert len(entries) == 1 and entries[0][0] == ("masked" if "no-cache" in kind else "masked+cache")
+        want = None if "no-cache" in kind else _next_logits(stock, cache_of(ref), ids, kwargs)  # advances ref's cache
+        for out in outs:
+            assert rel_err(out.logits[valid], ref.logits[valid]) <= BOUND
+            if want is None:
+                assert cache_of(out) is None
+            else:
+                assert rel_err(_next_logits(stock, cache_of(out), ids, kwargs), want) <= BOUND
+
+
 @pytest.mark.parametrize(
     "kwargs, reason",
     [
-        ({}, "uses a cache"),  # the config's use_cache=True: stock returns a cache, so the call stays eager
-        ({"use_cache": False, "attention_mask": "padded"}, "padded"),
-        ({"use_cache": False, "position_ids": "arange"}, "position_ids"),
         ({"use_cache": False, "output_hidden_states": True}, "output_hidden_states"),
+        ({"inputs_embeds": "embeds"}, "inputs_embeds come with a cache"),
+        ({"use_cache": False, "position_ids": "mrope"}, "not 2D"),
     ],
 )
 def test_uncovered_calls_run_eagerly_said_once(kwargs, reason, caplog):
     stock, fused = stock_and_fused_lm()
     ids = torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(3))
     kwargs = dict(kwargs)
-    if kwargs.get("attention_mask") == "padded":
-        kwargs["attention_mask"] = torch.ones_like(ids)
-        kwargs["attention_mask"][1, :2] = 0
-    if kwargs.get("position_ids") == "arange":
-        kwargs["position_ids"] = torch.arange(7).expand(2, 7)
+    if kwargs.get("inputs_embeds") == "embeds":
+        kwargs["inputs_embeds"] = stock.get_input_embeddings()(ids)
+        call_ids = None
+    else:
+        call_ids = ids
+    if kwargs.get("position_ids") == "mrope":
+        kwargs["position_ids"] = torch.arange(7).expand(3, 2, 7)
     with torch.no_grad(), caplog.at_level(logging.WARNING):
-        ref = run_stock(stock, ids, **kwargs)
-        outs = [fused(ids, **kwargs) for _ in range(3)]
+        ref = run_stock(stock, call_ids, **kwargs)
+        outs = [fused(call_ids, **kwargs) for _ in range(3)]
     assert not _graphs(fused)
     lines = [r for r in caplog.records if "forward without CUDA graphs" in r.getMessage()]
     assert len(lines) == 1 and reason in lines[0].getMessage()
@@ -124,7 +180,7 @@ def test_buckets_are_bounded_and_released_on_move(monkeypatch):
             ids = torch.randint(3, 200, (1, seq_len))
             for _ in range(2):
                 fused(ids, use_cache=False)
-    assert [key[1] for key in _graphs(fused)] == [128, 256]  # the least recently used (64) was freed
+    assert [key[2] for key in _graphs(fused)] == [128, 256]  # the least recently used (64) was freed
     assert {b["length"] for b in fused.describe()["forward_graphs"]["buckets"]} == {128, 256}
     fused.to(torch.float64)
     assert not _graphs(fused)
@@ -191,3 +247,19 @@ def test_weights_snapshot_sees_replacements_not_in_place_updates():
         with torch.no_grad():
             change()
         assert snapshot.unchanged() is expected, name
+
+
+def test_cache_buckets_are_bounded(monkeypatch):
+    """Buckets that return a cache keep a bucket of state each: at most `_MAX_CACHE_FORWARD_GRAPHS` of them."""
+    monkeypatch.setattr(modeling, "_MAX_CACHE_FORWARD_GRAPHS", 1)
+    _, fused = stock_and_fused_lm()
+    with torch.no_grad():
+        for seq_len in (5, 70):
+            ids = torch.randint(3, 200, (1, seq_len))
+            for _ in range(2):
+                fused(ids)  # the config's use_cache=True
+            fused(ids, use_cache=False)
+            fused(ids, use_cache=False)
+    paths = [(key[0], key[2]) for key in _graphs(fused)]
+    assert ("masked+cache", 128) in paths and ("masked+cache", 64) not in paths
+    assert (("right", False), 64) in paths and (("right", False), 128) in paths

@@ -7,7 +7,7 @@ Each bucket runs eagerly on its first call and is captured on its second; the ch
 import pytest
 import torch
 
-from helpers import modeling, new_weights, rel_err, stock_and_fused_lm
+from helpers import cache_of, modeling, new_weights, rel_err, stock_and_fused_lm
 
 pytestmark = pytest.mark.cuda
 BOUND = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
@@ -26,8 +26,8 @@ def _captured(model, ids, calls=3):
 
 
 def _entry(model, batch, seq_len):
-    for key, entry in model.model._forward_graphs.items():
-        if key[0] == batch and key[1] == modeling._forward_len_bucket(seq_len):
+    for key, entry in model.model._forward_graphs.items():  # (path, batch, length, dtype, device)
+        if key[0] == ("right", False) and key[1:3] == (batch, modeling._forward_len_bucket(seq_len)):
             return entry
     raise AssertionError("no forward graph for this bucket")
 
@@ -92,3 +92,37 @@ def test_graph_memory_is_freed_on_release_and_move():
     assert fused.model._forward_graphs
     fused.to("cpu")
     assert not fused.model._forward_graphs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("seq_len", [7, 129, 2048], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("kind", ["cache", "cache-left", "no-cache-left"])
+def test_masked_replay_matches_stock(dtype, seq_len, kind):
+    """Padded batches and calls that return a cache replay the left-padded masked graph: logits on the real positions
+    and the next token's logits through the returned cache (continued by stock) within bound."""
+    stock, fused = _pair(dtype)
+    batch = 3
+    ids = torch.randint(3, 250, (batch, seq_len), device="cuda")
+    kwargs = {}
+    if "left" in kind:
+        mask = torch.ones_like(ids)
+        mask[1, : seq_len // 3] = 0
+        mask[2, : seq_len // 2] = 0
+        kwargs["attention_mask"] = mask
+    if "no-cache" in kind:
+        kwargs["use_cache"] = False
+    valid = kwargs.get("attention_mask", torch.ones_like(ids)).bool()
+    with torch.inference_mode():
+        ref = stock(input_ids=ids, **kwargs)
+        outs = [fused(input_ids=ids, **kwargs) for _ in range(3)]
+        (entry,) = [e for k, e in fused.model._forward_graphs.items() if not isinstance(k[0], tuple)]
+        assert entry.graph, "the bucket was not captured"
+        if "no-cache" not in kind:
+            step_mask = None if "attention_mask" not in kwargs else torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            nxt = ids[:, -1:]
+            want = stock(input_ids=nxt, attention_mask=step_mask, **{modeling._GENERATE_CACHE_KW: cache_of(ref)}).logits
+            got = stock(input_ids=nxt, attention_mask=step_mask, **{modeling._GENERATE_CACHE_KW: cache_of(outs[-1])}).logits
+            assert rel_err(got.float(), want.float()) <= BOUND[dtype]
+    for out in outs[1:]:
+        assert torch.isfinite(out.logits[valid]).all()
+        assert rel_err(out.logits[valid].float(), ref.logits[valid].float()) <= BOUND[dtype]
