@@ -192,6 +192,35 @@ def scoring_forward(model, graphs, ids, device):
         return model(input_ids=ids, use_cache=False, logits_to_keep=1)
 
 
+def plain_forward(model, graphs, ids, mask, device):
+    """`model(**tokenizer(...))` as users call it: a padding mask, the config's `use_cache=True` (a cache returned)."""
+    with torch.inference_mode(), stock_cpu_guard(device), graphs_switch(model, graphs):
+        return model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
+
+
+def plain_forward_latency(models: dict, lengths, batch, repeats, device, vocab, timer) -> dict:  # noqa: PLR0913
+    """Median latency of `plain_forward` on a left-padded batch (the last row a quarter padding), per length: the
+    fused model's masked, left-padded graph path that also returns the cache."""
+    variants = forward_variants(models)
+    out = {name: {} for name, _, _ in variants}
+    for T in lengths:
+        ids = torch.randint(0, vocab, (batch, T), device=device)
+        mask = torch.ones_like(ids)
+        mask[-1, : T // 4] = 0
+        for name, model, graphs in variants:
+            for _ in range(3):
+                plain_forward(model, graphs, ids, mask, device)
+        times = {name: [] for name, _, _ in variants}
+        for _ in range(repeats):
+            for name, model, graphs in variants:
+                times[name].append(timer(lambda: plain_forward(model, graphs, ids, mask, device)))
+        for name in times:
+            out[name][T] = summary(times[name])
+        log(f"plain forward (padded, cache) batch={batch} T={T}: "
+            + ", ".join(f"{n} {out[n][T]['median']:.2f} ms" for n in times))
+    return out
+
+
 def forward_latency(models: dict, lengths, batch, repeats, device, vocab, timer) -> dict:  # noqa: PLR0913
     """Median forward latency per length; each variant is called 3 times first (the fused forward's bucket is
     captured on its second call), then the variants are timed interleaved, so drift hits all alike."""
@@ -432,6 +461,14 @@ def to_markdown(results: dict) -> str:
                          + (f"{floor:.3f} | {f / floor:.2f}x |" if floor else "- | - |") + f" {peak} | "
                          + (f"{d['stock']['first_token_ms']:.1f} / {d['fused']['first_token_ms']:.1f} |"
                             if "first_token_ms" in d["fused"] else "- |"))
+    rows = [(name, r["plain_forward"]) for name, r in results["models"].items() if r.get("plain_forward")]
+    if rows:
+        lines += ["", "Forward as `model(**inputs)`: a left-padded batch, the config's use_cache=True (a cache returned), "
+                  "median ms:", "", "| model | T | stock | fused eager | fused + graphs | speed-up |", "|---|---|---|---|---|---|"]
+    for name, d in rows:
+        for T, st in d["stock"].items():
+            e, f = d["fused-eager"][T]["median"], d["fused"][T]["median"]
+            lines.append(f"| {name} | {T} | {st['median']:.2f} | {e:.2f} | {f:.2f} | {st['median'] / f:.2f}x |")
     mem = [(n, r["memory"]) for n, r in results["models"].items() if r.get("memory")]
     if mem:
         lines += ["", "| model | peak memory stock GiB | fused eager GiB | fused + graphs GiB | fused + graphs / stock |",
@@ -521,6 +558,8 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--profile", default="", help="comma list of lengths to profile (GPU): kernel counts, top kernels")
     p.add_argument("--profile-decode", default="", help="comma list of batch sizes whose decode step to profile (GPU)")
+    p.add_argument("--plain-batch", type=int, default=4,
+                   help="batch of the padded forward that returns a cache (model(**inputs)); 0: skip")
     p.add_argument("--gpus", type=int, default=1, help="dispatch both models over this many GPUs (device_map)")
     p.add_argument("--out", default="out/bench")
     args = p.parse_args(argv)
@@ -555,6 +594,9 @@ def main(argv=None):
         r = {"params": counts, "describe": fused.describe()["layers"]}
         r["forward"] = {k: {str(T): v for T, v in d.items()} for k, d in
                         forward_latency(models, lengths, 1, args.repeats, device, vocab, timer).items()}
+        if args.plain_batch:
+            r["plain_forward"] = {k: {str(T): v for T, v in d.items()} for k, d in plain_forward_latency(
+                models, lengths, args.plain_batch, args.repeats, device, vocab, timer).items()}
         if args.requests:
             r["requests"] = request_set(models, request_lengths(args.requests, args.max_request_len), device, vocab, timer)
         r["decode"] = {b: decode_speed(models, int(b), args.prompt_len, args.new_tokens, device, vocab)

@@ -18,6 +18,7 @@ def test_benchmark_runs_on_cpu(tmp_path):
     tiny = saved["models"]["tiny"]
     assert set(tiny["forward"]) == {"stock", "fused-eager", "fused"} and set(tiny["forward"]["fused"]) == {"8", "16"}
     assert tiny["requests"]["fused"]["all"]["n"] == 3
+    assert set(tiny["plain_forward"]) == {"stock", "fused-eager", "fused"} and set(tiny["plain_forward"]["fused"]) == {"8", "16"}
     assert set(tiny["decode"]) == {"1", "2"} and tiny["decode"]["2"]["fused"]["ms_per_token"] > 0
     assert tiny["params"]["tied"] and tiny["params"]["weight_bytes"] > 0
     assert (tmp_path / "latency.png").stat().st_size > 1000
