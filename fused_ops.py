@@ -21,6 +21,7 @@ the input dtype exactly where stock rounds):
 """
 
 import contextlib
+import logging
 
 import torch
 
@@ -1190,6 +1191,7 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> torch.T
 
 # Per (M, N, K, gate_up, dtype, device): the chosen implementation, "cublas" or a `_GEMV_CONFIGS` entry.
 _small_linear_choice: dict = {}
+_gemv_failed: set = set()
 
 
 def _time_ms(fn, reps: int = 10) -> float:
@@ -1231,8 +1233,12 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> tor
                 for config in _GEMV_CONFIGS:
                     try:
                         timings[config] = _time_ms(lambda config=config: gemv(x, w, gate_up, config))
-                    except Exception:  # noqa: BLE001 - a config that does not compile on this card is not chosen
-                        continue
+                    except Exception as err:  # noqa: BLE001 - a config that fails on this card is not chosen, said once
+                        if config not in _gemv_failed:
+                            _gemv_failed.add(config)
+                            logging.getLogger(__name__).warning(
+                                "Qwen3.5 fused kernels: the GEMV config %s failed here (%s: %s); the decode step "
+                                "uses the other candidates for its linears.", config, type(err).__name__, err)
             choice = min(timings, key=timings.get)
         _small_linear_choice[key] = choice
     return _run_small_linear(x, w, gate_up, choice)

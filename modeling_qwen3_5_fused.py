@@ -497,12 +497,29 @@ class _WeightsSnapshot:
         )
 
 
-def _step_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """``linear(x)`` for the decode step's [B, in] rows: ``small_linear`` (cuBLAS or our GEMV, whichever this card
-    runs faster for the shape), or ``F.linear`` for a linear with a bias (none in Qwen3.5)."""
-    if linear.bias is not None:
-        return F.linear(x, linear.weight, linear.bias)
-    return small_linear(x, linear.weight)
+def _step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for the decode step's [B, in] rows: ``small_linear`` (cuBLAS or our GEMV, whichever
+    this card runs faster for the shape), or ``F.linear`` with a bias (none in Qwen3.5)."""
+    if bias is not None:
+        return F.linear(x, weight, bias)
+    return small_linear(x, weight)
+
+
+def _pack_all(text_model) -> None:
+    """Pack (or re-pack) every projection group now, outside any capture, so no packing allocates inside one."""
+    for module in text_model.modules():
+        if isinstance(module, _FusedModule) and module._fused_groups:
+            module._packed_weight()
+
+
+def _graph_pool(text_model):
+    """The memory pool every forward / prompt graph of this model is captured on (None off CUDA): graphs are replayed
+    one at a time and their outputs copied out at once, so they can share it."""
+    if text_model.embed_tokens.weight.device.type != "cuda":
+        return None
+    if "_forward_graph_pool" not in text_model.__dict__:
+        text_model._forward_graph_pool = torch.cuda.graph_pool_handle()
+    return text_model._forward_graph_pool
 
 
 class _DecodeState:
@@ -629,7 +646,7 @@ class _DecodeState:
     def _deltanet_step(self, m, x, i):
         B = self.batch
         w, _ = m._packed_weight()
-        proj = small_linear(x.view(B, -1), w)  # [B, conv_dim + value_dim + 2 * HV]
+        proj = _step_linear(x.view(B, -1), w)  # [B, conv_dim + value_dim + 2 * HV]
         mixed, z, b, a = torch.split(proj, [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads], dim=-1)
         mixed = causal_conv1d_step(mixed, self.conv[i], m.conv1d.weight.squeeze(1), m.conv1d.bias)
         q, k, v = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
@@ -646,13 +663,13 @@ class _DecodeState:
         core = fla_rms_norm_gated(
             core.view(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim), m.norm.weight, m.norm.variance_epsilon
         )
-        return _step_linear(core.view(B, -1), m.out_proj).view(B, 1, -1)
+        return _step_linear(core.view(B, -1), m.out_proj.weight, m.out_proj.bias).view(B, 1, -1)
 
     def _attention_step(self, m, x, cos, sin, mask, slot, i):
         B = self.batch
         H, KV, D = m.config.num_attention_heads, m.config.num_key_value_heads, m.head_dim
         w, bias = m._packed_weight()
-        qkv = (small_linear(x.view(B, -1), w) if bias is None else F.linear(x.view(B, -1), w, bias)).view(B, 1, -1)
+        qkv = _step_linear(x.view(B, -1), w, bias).view(B, 1, -1)
         q, k, v, gate = attn_prep(qkv, cos, sin, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps, H, KV, D)
         keys, values = self.keys[i], self.values[i]
         keys.index_copy_(2, slot, k)
@@ -660,7 +677,8 @@ class _DecodeState:
         # The H query heads of one token, grouped by their KV head ([B, KV, H/KV, D]), attend over the whole
         # preallocated length; the mask keeps the keys written so far that are not padding.
         o = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, D), keys, values, attn_mask=mask, scale=m.scaling)
-        return _step_linear(sigmoid_gate_mul(o.reshape(B, 1, H, D), gate).view(B, -1), m.o_proj).view(B, 1, -1)
+        o = sigmoid_gate_mul(o.reshape(B, 1, H, D), gate).view(B, -1)
+        return _step_linear(o, m.o_proj.weight, m.o_proj.bias).view(B, 1, -1)
 
     @staticmethod
     def _mlp_step(mlp, x):
@@ -668,7 +686,7 @@ class _DecodeState:
             return mlp(x)
         B = x.shape[0]
         act = small_linear(x.view(B, -1), mlp._packed_weight()[0], gate_up=True)  # silu(gate) * up, [B, I]
-        return _step_linear(act, mlp.down_proj).view(B, 1, -1)
+        return _step_linear(act, mlp.down_proj.weight, mlp.down_proj.bias).view(B, 1, -1)
 
     # -- driving it --------------------------------------------------------------------------------------------------
 
@@ -684,9 +702,7 @@ class _DecodeState:
         return self._capture_and_replay(text_model)
 
     def _capture_and_replay(self, text_model) -> torch.Tensor:
-        for module in text_model.modules():  # pack outside the capture, so no packing allocates inside it
-            if isinstance(module, _FusedModule) and module._fused_groups:
-                module._packed_weight()
+        _pack_all(text_model)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
@@ -948,9 +964,7 @@ class FusedDecodeCache(Cache):
         elif graph.graph and not graph.weights.unchanged():
             graph.drop()  # a weight moved since the capture: capture again
         pad = graph.load(input_ids, attention_mask, position_ids)
-        if "_forward_graph_pool" not in text_model.__dict__ and st.device.type == "cuda":
-            text_model._forward_graph_pool = torch.cuda.graph_pool_handle()
-        hidden = graph.run(text_model, self, text_model.__dict__.get("_forward_graph_pool"))
+        hidden = graph.run(text_model, self, _graph_pool(text_model))
         if hidden is None:
             return None  # capture failed (announced): this prompt runs eagerly
         st.key_valid.zero_()
@@ -1318,9 +1332,7 @@ def _capture_graph(text_model, forward, pool, what: str):
     """Pack every projection group, run ``forward()`` once eagerly (every autotuned / JIT kernel is compiled before
     the capture), capture it into a new graph on ``pool``, and return ``(graph, output)``; None after a failed capture
     (said once; the caller runs eagerly)."""
-    for module in text_model.modules():  # pack outside the capture, so no packing allocates inside it
-        if isinstance(module, _FusedModule) and module._fused_groups:
-            module._packed_weight()
+    _pack_all(text_model)
     forward()
     graph = torch.cuda.CUDAGraph()
     try:
@@ -1422,16 +1434,14 @@ def _graphed_forward(text_model, kwargs: dict, path: str) -> BaseModelOutputWith
     elif entry.graph and not entry.weights.unchanged():
         entry.drop()  # a parameter was replaced since the capture: capture again
     graphs[key] = entry  # most recently used last
-    if "_forward_graph_pool" not in text_model.__dict__ and weight.device.type == "cuda":
-        text_model._forward_graph_pool = torch.cuda.graph_pool_handle()
-    pool = text_model.__dict__.get("_forward_graph_pool")
+    pool = _graph_pool(text_model)
     if path == "right":
         hidden, cache = entry.run(text_model, x, pool), None
-        return None if hidden is None else BaseModelOutputWithPast(last_hidden_state=hidden, **{_OUTPUT_CACHE_FIELD: None})
-    out = entry.run(text_model, ids, kwargs.get("attention_mask"), kwargs.get("position_ids"), pool)
-    if out is None:
+    else:
+        out = entry.run(text_model, ids, kwargs.get("attention_mask"), kwargs.get("position_ids"), pool)
+        hidden, cache = out if out is not None else (None, None)
+    if hidden is None:
         return None
-    hidden, cache = out
     return BaseModelOutputWithPast(last_hidden_state=hidden, **{_OUTPUT_CACHE_FIELD: cache})
 
 
