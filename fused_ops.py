@@ -16,6 +16,8 @@ the input dtype exactly where stock rounds):
 - `swiglu`: `silu(g) * u` of the fused gate|up projection.
 - `causal_conv1d_step`, `gated_delta_rule_step`: the single-token (decode) step of a Gated DeltaNet layer, state
   updated in place, CUDA-graph capturable.
+- `deltanet_prep`: a Gated DeltaNet prefill's causal conv + SiLU of q|k|v, the q / k L2 norm and beta, one launch,
+  ready for fla's `chunk_gated_delta_rule`; `gated_rms_norm`: the gated RMSNorm after it, reading z in place.
 - `gemv` (and `small_linear`, which picks it or cuBLAS per shape by timing both once): the decode step's linears
   for 1-16 rows as one weight read, optionally with the SwiGLU of the packed gate|up projection in its epilogue.
 """
@@ -36,15 +38,11 @@ except Exception:  # pragma: no cover - depends on the environment
     HAS_TRITON = False
 
 try:
-    from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
-    from fla.modules.norm.fused_norm_gate import rms_norm_gated as _fla_rms_norm_gated
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
 
     HAS_FLA = True
 except Exception:  # pragma: no cover - depends on the environment
-    fla_causal_conv1d = None
     fla_chunk_gated_delta_rule = None
-    _fla_rms_norm_gated = None
     HAS_FLA = False
 
 
@@ -57,16 +55,6 @@ def kernels_available() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device is available"
     return None
-
-
-def fla_rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gated RMSNorm of the DeltaNet output through fla's fused kernel: ``y = x / rms(x) * w * silu(gate)``.
-
-    x, gate: [M, V] (M = B * T * HV rows of one value head each); weight: [V]. Replaces stock
-    ``Qwen3_5RMSNormGated`` (which rounds the normalised x to the input dtype before the weight and gate; fla keeps
-    fp32 until the end, a bf16-rounding-level difference).
-    """
-    return _fla_rms_norm_gated(x, gate, weight, None, activation="swish", eps=eps)
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -1253,3 +1241,272 @@ def small_linear_choices() -> dict:
 def small_linear_ref(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
     """Plain-torch `small_linear`."""
     return gemv_ref(x, w, gate_up)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 8. Gated DeltaNet prefill, input side: causal conv + SiLU of q|k|v, the q / k L2 norm, beta and the gate input
+#
+# Why our own kernel: through fla, this stage is eight launches per layer: fla's conv once per q / k / v slice,
+# `chunk_gated_delta_rule`'s L2 norm of q and of k, its beta sigmoid, and its input guard's copies of the strided
+# b / a columns of the packed projection. Nothing maintained fuses them. This one launch reads those columns once
+# and writes what `chunk_gated_delta_rule` reads, ready: contiguous, normalised q and k, v, beta in fp32 and a.
+# ---------------------------------------------------------------------------------------------------------------------
+
+# Tokens per program. Not measured on an H200 yet; the reasoning: a [64, 128] tile of one head is 8K fp32 values
+# (32 per thread at 8 warps) and gives the 4B shape at T=2048 2,080 programs; the W-1 tokens of halo each tile
+# re-reads are 5% of its loads.
+_PREP_BLOCK_T = 64
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _deltanet_prep_kernel(
+        x_ptr, w_ptr, bias_ptr, b_ptr, a_ptr, y_ptr, beta_ptr, g_ptr,
+        T, stride_xb, stride_xt, stride_w, stride_bb, stride_bt, stride_ab, stride_at, eps,
+        HK: tl.constexpr, DK: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
+        HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HV: tl.constexpr,
+    ):
+        i_t, i_b, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+        n_b = tl.num_programs(1).to(tl.int64)
+        o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT] tokens
+        m_t = o_t < T
+        dt = y_ptr.dtype.element_ty
+        w_dt = w_ptr.dtype.element_ty
+        if i_h < 2 * HK + HV:  # one q, k or v head of BLOCK_T tokens
+            is_qk = i_h < 2 * HK
+            D = tl.where(is_qk, DK, DV)
+            col = tl.where(is_qk, i_h * DK, 2 * HK * DK + (i_h - 2 * HK) * DV)  # first input channel of the head
+            # q, k and v are three contiguous blocks of y: [B, T, HK, DK], [B, T, HK, DK], [B, T, HV, DV]
+            part = tl.where(i_h < HK, 0, tl.where(is_qk, 1, 2))
+            base = part.to(tl.int64) * n_b * T * HK * DK
+            width = tl.where(is_qk, HK * DK, HV * DV)
+            o_col = tl.where(is_qk, (i_h - part * HK) * DK, (i_h - 2 * HK) * DV)
+            o_d = tl.arange(0, BLOCK_D)
+            m_d = o_d < D
+            acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            for j in tl.static_range(W):  # tap j reads token t - (W - 1) + j; tokens before 0 are zero
+                t_src = o_t - (W - 1) + j
+                m = (m_t & (t_src >= 0))[:, None] & m_d[None, :]
+                p_x = x_ptr + i_b * stride_xb + t_src[:, None] * stride_xt + col + o_d[None, :]
+                b_x = tl.load(p_x, mask=m, other=0.0).to(tl.float32)
+                b_w = tl.load(w_ptr + (col + o_d) * stride_w + j, mask=m_d, other=0.0).to(tl.float32)
+                acc += b_x * b_w[None, :]
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + col + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+            # stock: the conv output and the SiLU in the weight dtype, then x's dtype
+            b_y = _round_to(acc, w_dt)
+            b_y = _round_to(_round_to(b_y / (1.0 + tl.exp(-b_y)), w_dt), dt)
+            # fla's L2 norm of q and k: fp32 over the rounded conv output, 1 / sqrt(sum(x^2) + eps)
+            b_y = tl.where(m_d[None, :], b_y, 0.0)
+            b_rstd = 1.0 / tl.sqrt(tl.sum(b_y * b_y, axis=1) + eps)  # [BT]
+            b_y = tl.where(is_qk, _round_to(b_y * b_rstd[:, None], dt), b_y)
+            p_y = y_ptr + base + (i_b * T + o_t)[:, None] * width + o_col + o_d[None, :]
+            tl.store(p_y, b_y.to(dt), mask=m_t[:, None] & m_d[None, :])
+        else:  # the last program of each token block: beta = sigmoid(b) in fp32, and a copied out contiguous
+            # (names differ from the other branch's: Triton wants one type per name across the two branches)
+            o_v = tl.arange(0, BLOCK_HV)
+            m_v = m_t[:, None] & (o_v < HV)[None, :]
+            b_b = tl.load(b_ptr + i_b * stride_bb + o_t[:, None] * stride_bt + o_v[None, :], mask=m_v, other=0.0)
+            b_a = tl.load(a_ptr + i_b * stride_ab + o_t[:, None] * stride_at + o_v[None, :], mask=m_v, other=0.0)
+            o_bt = (i_b * T + o_t)[:, None] * HV + o_v[None, :]
+            tl.store(beta_ptr + o_bt, tl.sigmoid(b_b.to(tl.float32)), mask=m_v)
+            tl.store(g_ptr + o_bt, b_a, mask=m_v)
+
+
+def deltanet_prep(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    eps: float = _GDR_L2_EPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet prefill inputs in one launch: causal depthwise conv + SiLU over q|k|v (no initial state), the
+    L2 norm of each q and k head, `beta = sigmoid(b)`, and `a` copied out contiguous.
+
+    Math per token t and channel c (fp32 inside, rounded where stock rounds): `y[t, c] = silu(sum_j x[t - W + 1 + j,
+    c] * weight[c, j] + bias[c])` with x = 0 before the first token; then for q and k, per head,
+    `y / sqrt(sum(y^2) + eps)` (fla's `l2norm_fwd`, over the rounded conv output).
+
+    Args:
+        x: [B, T, C] float32 / bfloat16 / float16, C = 2 * num_k_heads * head_k_dim + HV * head_v_dim: the q|k|v
+            columns of the packed projection. Last dim contiguous, batch and token strides arbitrary (a column
+            slice of the GEMM output).
+        weight: [C, W] (`conv1d.weight.squeeze(1)`), float32 / bfloat16 / float16, last dim contiguous.
+        bias: optional [C], contiguous (Qwen3.5 has none).
+        b, a: [B, T, HV] float32 / bfloat16 / float16, last dim contiguous, other strides arbitrary: the
+            `in_proj_b` / `in_proj_a` columns.
+        num_k_heads, head_k_dim, head_v_dim: the layer's head layout (HV is b.shape[-1]).
+        eps: the L2 norm's epsilon (stock and fla: 1e-6).
+
+    Returns:
+        `(q, k, v, beta, g)`: q, k [B, T, num_k_heads, head_k_dim] and v [B, T, HV, head_v_dim], contiguous, in
+        x.dtype (q and k normalised); beta [B, T, HV] float32; g [B, T, HV] a's values, contiguous, in a.dtype.
+        They are `chunk_gated_delta_rule`'s inputs with `use_qk_l2norm_in_kernel=False`,
+        `use_beta_sigmoid_in_kernel=False`, `use_gate_in_kernel=True`.
+
+    Replaces, in `Qwen3_5GatedDeltaNet.forward` without a cached state, `F.silu(self.conv1d(mixed_qkv)[..., :T])`,
+    the split into q, k, v, `beta = b.sigmoid()` and the q / k `l2norm` of the chunked rule.
+    """
+    _check_triton("deltanet_prep")
+    for name, t in (("x", x), ("weight", weight), ("b", b), ("a", a)):
+        _check_float(name, t)
+        _check_last_dim_contiguous(name, t)
+    if x.dim() != 3 or b.dim() != 3 or a.shape != b.shape or b.shape[:2] != x.shape[:2]:
+        raise ValueError(f"x must be [B, T, C] and b, a [B, T, HV] with the same B, T; got x {tuple(x.shape)}, "
+                         f"b {tuple(b.shape)}, a {tuple(a.shape)}.")
+    B, T, C = x.shape
+    HV = b.shape[2]
+    key_dim, value_dim = num_k_heads * head_k_dim, HV * head_v_dim
+    if min(num_k_heads, head_k_dim, head_v_dim, HV) < 1 or C != 2 * key_dim + value_dim:
+        raise ValueError(f"x has C={C} channels, but num_k_heads={num_k_heads}, head_k_dim={head_k_dim}, HV={HV}, "
+                         f"head_v_dim={head_v_dim} need 2 * {key_dim} + {value_dim}.")
+    if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:
+        raise ValueError(f"weight must be [C, W] = [{C}, W] for x {tuple(x.shape)}, got {tuple(weight.shape)}.")
+    tensors = dict(x=x, weight=weight, b=b, a=a)
+    if bias is not None:
+        if bias.shape != (C,):
+            raise ValueError(f"bias must have shape ({C},), got {tuple(bias.shape)}.")
+        _check_float("bias", bias)
+        _check_last_dim_contiguous("bias", bias)
+        tensors["bias"] = bias
+    _check_same_device(**tensors)
+
+    y = torch.empty(B * T * C, dtype=x.dtype, device=x.device)
+    q = y[: B * T * key_dim].view(B, T, num_k_heads, head_k_dim)
+    k = y[B * T * key_dim : 2 * B * T * key_dim].view(B, T, num_k_heads, head_k_dim)
+    v = y[2 * B * T * key_dim :].view(B, T, HV, head_v_dim)
+    beta = torch.empty(B, T, HV, dtype=torch.float32, device=x.device)
+    g = torch.empty(B, T, HV, dtype=a.dtype, device=x.device)
+    if B > 0 and T > 0:
+        BLOCK_T = min(_PREP_BLOCK_T, max(16, triton.next_power_of_2(T)))
+        BLOCK_D = triton.next_power_of_2(max(head_k_dim, head_v_dim))
+        with _device_guard(x):
+            _deltanet_prep_kernel[(triton.cdiv(T, BLOCK_T), B, 2 * num_k_heads + HV + 1)](
+                x, weight, bias if bias is not None else weight, b, a, y, beta, g,
+                T, x.stride(0), x.stride(1), weight.stride(0), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+                eps,
+                HK=num_k_heads, DK=head_k_dim, HV=HV, DV=head_v_dim, W=weight.shape[1], HAS_BIAS=bias is not None,
+                BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_HV=triton.next_power_of_2(HV),
+                num_warps=min(8, _num_warps(BLOCK_T * BLOCK_D)),
+            )
+    return q, k, v, beta, g
+
+
+def deltanet_prep_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    eps: float = _GDR_L2_EPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-torch `deltanet_prep`: stock's conv1d + SiLU, then fla's L2 norm (fp32) and beta sigmoid (fp32)."""
+    B, T, C = x.shape
+    W = weight.shape[1]
+    y = torch.nn.functional.conv1d(x.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), bias, padding=W - 1,
+                                   groups=C)[..., :T]
+    y = torch.nn.functional.silu(y).to(x.dtype).transpose(1, 2)  # [B, T, C]
+    key_dim = num_k_heads * head_k_dim
+    q, k, v = torch.split(y, [key_dim, key_dim, C - 2 * key_dim], dim=-1)
+
+    def l2(t):
+        t = t.reshape(B, T, num_k_heads, head_k_dim).float()
+        return (t / torch.sqrt(t.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+    v = v.reshape(B, T, -1, head_v_dim).contiguous()
+    return l2(q), l2(k), v, b.float().sigmoid(), a.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 9. Gated RMSNorm of the Gated DeltaNet output, the gate read in place
+#
+# Why our own kernel: fla's `rms_norm_gated` needs the gate as [rows, V] with one row stride, but z is a column
+# slice of the packed projection ([B, T, HV * V], row stride = the projection's width), so every call copied it first;
+# fla also writes a per-row rstd for its backward. This kernel reads z where it is and writes only y.
+# ---------------------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gated_rms_norm_kernel(
+        x_ptr, z_ptr, w_ptr, y_ptr, n_rows, D, stride_x, stride_zt, eps,
+        HV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        o_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows = (token, head)
+        o_d = tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        m = (o_m < n_rows)[:, None] & m_d[None, :]
+        dt = y_ptr.dtype.element_ty
+        w_dt = w_ptr.dtype.element_ty
+        b_x = tl.load(x_ptr + o_m[:, None] * stride_x + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+        p_z = z_ptr + (o_m // HV)[:, None] * stride_zt + (o_m % HV)[:, None] * D + o_d[None, :]
+        b_z = tl.load(p_z, mask=m, other=0.0).to(tl.float32)
+        b_rstd = tl.math.rsqrt(tl.sum(b_x * b_x, axis=1) / D + eps)
+        # stock `Qwen3_5RMSNormGated`: the normalised x rounded to x's dtype, times the weight (rounded to the
+        # weight's dtype), times silu(z) in fp32, rounded to x's dtype
+        b_h = _round_to(b_x * b_rstd[:, None], dt)
+        b_h = _round_to(b_h * tl.load(w_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :], w_dt)
+        b_y = _round_to(b_h * (b_z / (1.0 + tl.exp(-b_z))), dt)
+        tl.store(y_ptr + o_m[:, None] * D + o_d[None, :], b_y.to(dt), mask=m)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated RMSNorm per value head: `y = x / rms(x) * weight * silu(z)`, with z read in place.
+
+    Args:
+        x: [..., HV, V] float32 / bfloat16 / float16 (the delta rule's output); last dim contiguous, and the dims
+            before it must flatten to rows with one stride.
+        z: [..., HV * V], same leading dims, x's dtype: the gate; last dim contiguous, the leading dims must flatten
+            to one row stride (e.g. a column slice of the packed projection).
+        weight: [V], contiguous, any float dtype (plain weight, not zero-centred).
+        eps: the norm's epsilon (`norm.variance_epsilon`).
+
+    Returns:
+        y [..., HV * V] contiguous in x.dtype: what `out_proj` reads.
+
+    Replaces stock `Qwen3_5RMSNormGated` (applied to `core.reshape(-1, V)` and `z.reshape(-1, V)`), with its
+    roundings; fla's `rms_norm_gated` kept fp32 until the end.
+    """
+    _check_triton("gated_rms_norm")
+    _check_float("x", x)
+    _check_float("z", z)
+    _check_float("weight", weight)
+    if x.dim() < 2 or z.shape != (*x.shape[:-2], x.shape[-2] * x.shape[-1]) or z.dtype != x.dtype:
+        raise ValueError(f"x must be [..., HV, V] and z [..., HV * V] in x's dtype; got x {tuple(x.shape)} "
+                         f"{x.dtype}, z {tuple(z.shape)} {z.dtype}.")
+    HV, D = x.shape[-2:]
+    if weight.shape != (D,):
+        raise ValueError(f"weight must have shape ({D},) to match x {tuple(x.shape)}, got {tuple(weight.shape)}.")
+    for name, t in (("x", x), ("z", z), ("weight", weight)):
+        _check_last_dim_contiguous(name, t)
+    _check_same_device(x=x, z=z, weight=weight)
+    x_rows = _as_rows("x", x)
+    z_rows = _as_rows("z", z)
+    y = torch.empty(z.shape, dtype=x.dtype, device=x.device)
+    n_rows = x_rows.shape[0]
+    if n_rows > 0 and D > 0:
+        BLOCK_D = triton.next_power_of_2(D)
+        BLOCK_M = _units_per_program(n_rows, BLOCK_D, cap=triton.next_power_of_2(n_rows))
+        with _device_guard(x):
+            _gated_rms_norm_kernel[(triton.cdiv(n_rows, BLOCK_M),)](
+                x_rows, z_rows, weight, y, n_rows, D, x_rows.stride(0), z_rows.stride(0), eps,
+                HV=HV, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=_num_warps(BLOCK_M * BLOCK_D),
+            )
+    return y
+
+
+def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain-torch `gated_rms_norm`, written as stock `Qwen3_5RMSNormGated` computes it."""
+    D = x.shape[-1]
+    h = x.reshape(-1, D).float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(x.dtype)
+    h = h * torch.nn.functional.silu(z.reshape(-1, D).float())
+    return h.to(x.dtype).reshape(z.shape)

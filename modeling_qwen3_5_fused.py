@@ -75,10 +75,10 @@ from .fused_ops import (
     HAS_FLA,
     attn_prep,
     causal_conv1d_step,
-    fla_causal_conv1d,
+    deltanet_prep,
     fla_chunk_gated_delta_rule,
-    fla_rms_norm_gated,
     gated_delta_rule_step,
+    gated_rms_norm,
     kernels_available,
     rms_norm,
     sigmoid_gate_mul,
@@ -290,6 +290,19 @@ class FusedMLP(_FusedModule, Qwen3_5MLP):
             return self.down_proj(swiglu(F.linear(x, w)))
         return super().forward(x)
 
+    def add_to(self, residual, x):
+        """``residual + self(x)``, with the add done by the down projection's GEMM epilogue (cuBLAS with beta=1),
+        which saves the separate add kernel. ``residual`` [..., N] is overwritten and returned: the decoder layer
+        passes the sum buffer its fused norm has just allocated. Other calls (no fused path, hooks on the module)
+        compute the plain sum."""
+        fused = self._fused_ok(x) and self.config.hidden_act in ("silu", "swish") and self.down_proj.bias is None
+        if fused and not (self._forward_hooks or self._forward_pre_hooks or hasattr(self, "_hf_hook")):
+            w, _ = self._packed_weight()
+            act = swiglu(F.linear(x, w))
+            residual.view(-1, residual.shape[-1]).addmm_(act.view(-1, act.shape[-1]), self.down_proj.weight.t())
+            return residual
+        return residual + self(x)
+
 
 class FusedAttention(_FusedModule, Qwen3_5Attention):
     """Gated full attention: one GEMM for ``q_proj (q | gate) | k_proj | v_proj``, one launch for split + q/k RMSNorm
@@ -332,9 +345,9 @@ class FusedAttention(_FusedModule, Qwen3_5Attention):
 
 
 class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
-    """Gated DeltaNet: one GEMM for ``in_proj_qkv | in_proj_z | in_proj_b | in_proj_a`` → fla's causal conv →
-    fla's chunked gated delta rule (gate from ``A_log`` / ``dt_bias``, beta sigmoid, q/k L2 norm and grouped value
-    heads inside the kernel) → fla's gated RMSNorm → ``out_proj``.
+    """Gated DeltaNet: one GEMM for ``in_proj_qkv | in_proj_z | in_proj_b | in_proj_a`` → ``deltanet_prep`` (causal
+    conv + SiLU, q/k L2 norm, beta sigmoid, one launch) → fla's chunked gated delta rule (gate from ``A_log`` /
+    ``dt_bias`` and grouped value heads inside the kernel) → ``gated_rms_norm`` (z read in place) → ``out_proj``.
 
     Covers forwards without a cache and the prefill that fills an empty cache. A call that continues from a stock
     cache's state (decode outside the fused generate path, chunked prefill) runs the stock code; decode on a
@@ -366,46 +379,30 @@ class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
         )
         if cache is not None:
             cache.update_conv_state(mixed_qkv.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size)
-        # One conv launch per q / k / v slice of the GEMM output (the conv is depthwise: channels are independent).
-        # Each output is then contiguous, so fla's delta rule takes it as is; split from one conv output, q, k and v
-        # would be strided views that fla's input guard copies (3 copies per layer, ~1 ms of a 4B T=2048 forward).
-        weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
-        parts, start = [], 0
-        for width in (self.key_dim, self.key_dim, self.value_dim):
-            out, _ = fla_causal_conv1d(
-                x=mixed_qkv[..., start : start + width],
-                weight=weight[start : start + width],
-                bias=None if bias is None else bias[start : start + width],
-                activation="silu",
-            )
-            parts.append(out)
-            start += width
-        query, key, value = parts
-        query = query.reshape(batch, seq_len, self.num_k_heads, self.head_k_dim)
-        key = key.reshape(batch, seq_len, self.num_k_heads, self.head_k_dim)
-        value = value.reshape(batch, seq_len, self.num_v_heads, self.head_v_dim)
+        # One launch: conv + SiLU of the q|k|v columns, the q / k L2 norm, sigmoid(b) and a copied out contiguous,
+        # so fla's delta rule neither normalises nor copies its inputs.
+        query, key, value, beta, g = deltanet_prep(
+            mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, b, a,
+            self.num_k_heads, self.head_k_dim, self.head_v_dim,
+        )
         core, last_state = fla_chunk_gated_delta_rule(
             query,
             key,
             value,
-            g=a,
-            beta=b,
+            g=g,
+            beta=beta,
             output_final_state=cache is not None,
-            use_qk_l2norm_in_kernel=True,
+            use_qk_l2norm_in_kernel=False,
             use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=True,
+            use_beta_sigmoid_in_kernel=False,
             A_log=self.A_log,
             dt_bias=self.dt_bias,
         )
         if cache is not None:
             cache.update_recurrent_state(last_state, self.layer_idx)
-        core = fla_rms_norm_gated(
-            core.reshape(-1, self.head_v_dim),
-            z.reshape(-1, self.head_v_dim),
-            self.norm.weight,
-            self.norm.variance_epsilon,
-        )
-        return self.out_proj(core.reshape(batch, seq_len, -1))
+        # the gate z is read where the GEMM wrote it (a column slice), not copied
+        core = gated_rms_norm(core, z, self.norm.weight, self.norm.variance_epsilon)  # [B, T, value_dim]
+        return self.out_proj(core)
 
 
 class FusedDecoderLayer(_FusedModule, Qwen3_5DecoderLayer):
@@ -438,6 +435,8 @@ class FusedDecoderLayer(_FusedModule, Qwen3_5DecoderLayer):
             )
         ln = self.post_attention_layernorm
         hidden_states, residual = rms_norm(hidden_states, ln.weight, ln.eps, residual=residual)
+        if isinstance(self.mlp, FusedMLP):
+            return self.mlp.add_to(residual, hidden_states)  # residual is the norm's fresh sum buffer: ours to reuse
         return residual + self.mlp(hidden_states)
 
 
@@ -450,11 +449,11 @@ _FUSED_CLASSES = {
 }
 _FUSED_KINDS = ("linear_attention", "full_attention", "mlp", "rms_norm", "decoder_layer")
 _FUSED_OPS = {
-    "linear_attention": "1 GEMM (qkv|z|b|a) + fla causal_conv1d + fla chunk_gated_delta_rule (gate, beta, q/k L2 norm in kernel) + fla gated RMSNorm",
+    "linear_attention": "1 GEMM (qkv|z|b|a) + deltanet_prep (conv, SiLU, q/k L2 norm, beta) + fla chunk_gated_delta_rule (gate in kernel) + gated RMSNorm",
     "full_attention": "1 GEMM (q+gate|k|v) + attn_prep (split, q/k RMSNorm, partial mRoPE) + attention + sigmoid gate",
     "mlp": "1 GEMM (gate|up) + SwiGLU",
     "rms_norm": "zero-centred RMSNorm kernel",
-    "decoder_layer": "residual add fused into the post-attention RMSNorm",
+    "decoder_layer": "residual add fused into the post-attention RMSNorm, and into the down projection's GEMM",
 }
 
 
@@ -660,10 +659,8 @@ class _DecodeState:
             m.dt_bias,
             self.recurrent[i],
         )  # [B, HV, Dv]; the state is updated in place
-        core = fla_rms_norm_gated(
-            core.view(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim), m.norm.weight, m.norm.variance_epsilon
-        )
-        return _step_linear(core.view(B, -1), m.out_proj.weight, m.out_proj.bias).view(B, 1, -1)
+        core = gated_rms_norm(core, z, m.norm.weight, m.norm.variance_epsilon)  # [B, value_dim]
+        return _step_linear(core, m.out_proj.weight, m.out_proj.bias).view(B, 1, -1)
 
     def _attention_step(self, m, x, cos, sin, mask, slot, i):
         B = self.batch

@@ -582,6 +582,7 @@ def main(argv=None):
     timer = Timer(device)
     lengths = [int(x) for x in args.lengths.split(",") if x]
     targets = [("model", None)] if args.model else [(s, s) for s in args.shapes.split(",")]
+    out = Path(args.out)
     for name, shape in targets:
         log(f"building {name if shape else args.model} ({args.dtype}, {device})")
         stock, fused = build_pair(shape, args.model, device, dtype)
@@ -612,12 +613,11 @@ def main(argv=None):
         r["floors"] = {"forward_ms": {str(T): 2 * (counts["body"] * T + counts["lm_head"]) / ceil["bf16_flops_per_s"] * 1e3 for T in lengths},
                        "decode_ms": counts["weight_bytes"] / ceil["copy_bytes_per_s"] * 1e3} if ceil else {}
         results["models"][name] = r
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(results, indent=2))  # after each model: a cut-off run keeps it
         del stock, fused, models
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
     md = to_markdown(results)
     (out / "results.md").write_text(md)
     plot(results, out / "latency.png")

@@ -126,34 +126,22 @@ def offline_env(cache_dir, modules_dir) -> dict:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _conv1d_torch(x, weight, bias=None, activation="silu", **_):
-    """fla `causal_conv1d` on [B, T, D] as stock's torch fallback computes it: depthwise conv, then SiLU."""
-    T = x.shape[1]
-    y = torch.nn.functional.conv1d(x.transpose(1, 2), weight.unsqueeze(1), bias, padding=weight.shape[1] - 1,
-                                   groups=weight.shape[0])[..., :T]
-    return torch.nn.functional.silu(y).transpose(1, 2), None
-
-
-def _chunk_rule_torch(q, k, v, g, beta, output_final_state=False, A_log=None, dt_bias=None, **_):
-    """fla `chunk_gated_delta_rule` with gate / beta / q-k L2 norm in the kernel, as stock's torch chunked rule."""
+def _chunk_rule_torch(q, k, v, g, beta, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                      use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, A_log=None, dt_bias=None, **_):
+    """fla `chunk_gated_delta_rule` (gate, and optionally beta sigmoid and q / k L2 norm, in the kernel), computed by
+    stock's torch chunked rule."""
     import inspect
 
     from transformers.models.qwen3_5 import modeling_qwen3_5 as stock
 
+    assert use_gate_in_kernel, "the fused path hands fla the raw gate input a"
     gate = -A_log.float().exp() * torch.nn.functional.softplus(g.float() + dt_bias)
+    beta = beta.sigmoid() if use_beta_sigmoid_in_kernel else beta
     group = v.shape[2] // q.shape[2]  # grouped value heads: key head h serves value heads [h * group, (h+1) * group)
     q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
     fn = inspect.unwrap(stock.torch_chunk_gated_delta_rule)
-    return fn(q, k, v, g=gate, beta=beta.sigmoid(), initial_state=None, output_final_state=output_final_state,
-              use_qk_l2norm_in_kernel=True)
-
-
-def _rms_norm_gated_torch(x, gate, weight, eps):
-    """fla's gated RMSNorm as stock `Qwen3_5RMSNormGated` computes it."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    h = weight * h.to(x.dtype)
-    return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)
+    return fn(q, k, v, g=gate, beta=beta, initial_state=None, output_final_state=output_final_state,
+              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 def emulate_fused_on_cpu(monkeypatch):
@@ -161,11 +149,9 @@ def emulate_fused_on_cpu(monkeypatch):
     monkeypatch.setattr(modeling, "_FUSED_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(modeling, "kernels_available", lambda: None)
     for name in ("rms_norm", "attn_prep", "sigmoid_gate_mul", "swiglu", "small_linear", "causal_conv1d_step",
-                 "gated_delta_rule_step"):
+                 "gated_delta_rule_step", "deltanet_prep", "gated_rms_norm"):
         monkeypatch.setattr(modeling, name, getattr(fused_ops, f"{name}_ref"))
-    monkeypatch.setattr(modeling, "fla_causal_conv1d", _conv1d_torch)
     monkeypatch.setattr(modeling, "fla_chunk_gated_delta_rule", _chunk_rule_torch)
-    monkeypatch.setattr(modeling, "fla_rms_norm_gated", _rms_norm_gated_torch)
 
 
 def new_weights(model, seed=5):

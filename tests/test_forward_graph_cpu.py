@@ -263,3 +263,24 @@ def test_cache_buckets_are_bounded(monkeypatch):
     paths = [(key[0], key[2]) for key in _graphs(fused)]
     assert ("masked+cache", 128) in paths and ("masked+cache", 64) not in paths
     assert (("right", False), 64) in paths and (("right", False), 128) in paths
+
+
+def test_mlp_adds_the_residual_in_its_gemm_unless_hooked(monkeypatch):
+    """The decoder layer hands its residual to the MLP's down GEMM (`add_to`: no separate add, no MLP `forward`
+    call); an MLP carrying a forward hook is called as a module instead, so the hook fires. Both give stock's logits."""
+    stock, fused = stock_and_fused_lm()
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(1))
+    forwards = []
+    original = modeling.FusedMLP.forward
+    monkeypatch.setattr(modeling.FusedMLP, "forward", lambda self, x: forwards.append(self) or original(self, x))
+    with torch.no_grad():
+        ref = run_stock(stock, ids, use_cache=False).logits
+        plain = fused(ids, use_cache=False).logits
+        assert forwards == []
+        hooked_mlp = fused.model.layers[1].mlp
+        seen = []
+        handle = hooked_mlp.register_forward_hook(lambda module, args, out: seen.append(out.shape[-1]))
+        hooked = fused(ids, use_cache=False).logits  # the bucket's second call: its padded forward
+        handle.remove()
+    assert forwards == [hooked_mlp] and seen == [fused.config.hidden_size]
+    assert rel_err(plain, ref) <= BOUND and rel_err(hooked, ref) <= BOUND

@@ -1,0 +1,280 @@
+"""Tests of the Gated DeltaNet prefill ops in `fused_ops.py` (`deltanet_prep`, `gated_rms_norm`) against the stock
+transformers Qwen3.5 code, and against each op's `_ref`.
+
+Stock code: `causal_conv1d_fn` and `l2norm` of `modeling_qwen3_5` (through `inspect.unwrap`: with fla installed
+transformers routes those names to fla's kernels), `b.sigmoid()`, and the `Qwen3_5RMSNormGated` module. Inputs are
+column slices of one wider buffer, as the packed projection hands them over.
+
+CPU tests run the kernels under the Triton interpreter (`TRITON_INTERPRET=1`, set in conftest.py) on tiny shapes;
+`@pytest.mark.cuda` tests run the real Qwen3.5 head shapes at T = 1, 7, 64, 129, 2048:
+`python -m pytest tests/test_deltanet_prefill_ops.py -m cuda`.
+
+Error bounds (relative), and why:
+- fp32 <= 1e-6: another summation order than torch and, on the GPU, approximate exp / sqrt / division; a few fp32
+  units in the last place.
+- bf16 <= 1e-2, fp16 <= 1e-3: the kernels round where stock rounds (conv output, SiLU, the normalised q / k; the
+  gated norm's normalised x, weight product and output), so only those wobbles flipping a rounding decision remain,
+  one unit in the last place of an element at most. Measured on CPU against the references: 0.
+- v (a rounded conv + SiLU) and beta (an fp32 sigmoid) are compared with the same bounds; the copied gate input a
+  must be bit-exact.
+"""
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fused_ops
+from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+REPO = Path(__file__).resolve().parents[1]
+STOCK_CONV = inspect.unwrap(modeling_qwen3_5.causal_conv1d_fn)
+STOCK_L2NORM = modeling_qwen3_5.l2norm
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+BOUND = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+PAD = 8  # extra columns around the packed projection's slices
+
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _set_up():
+    """Skip without triton; stock fp32 convolutions in true fp32 (cuDNN may pick TF32); one CPU thread (stock's bf16
+    CPU conv1d spins its OpenMP threads on busy cores)."""
+    if not fused_ops.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    saved = torch.backends.cudnn.allow_tf32, torch.get_num_threads()
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_num_threads(1)
+    yield
+    torch.backends.cudnn.allow_tf32 = saved[0]
+    torch.set_num_threads(saved[1])
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    assert not got.isnan().any(), f"{name}: NaN in the output (an element was never written?)"
+    err = rel_err(got, want)
+    assert err <= BOUND[want.dtype], f"{name}: rel_err {err:.3g} > {BOUND[want.dtype]:g} ({want.dtype})"
+
+
+def packed_projection(B, T, HK, DK, HV, DV, dtype, device, seed=0):
+    """Column slices (x = q|k|v, z, b, a) of one [B, T, C + HV*DV + 2*HV + 2*PAD] buffer, as the packed GEMM
+    writes them, plus a conv weight [C, 4] with the init's scale."""
+    gen = torch.Generator().manual_seed(seed)
+    C = 2 * HK * DK + HV * DV
+    widths = [C, HV * DV, HV, HV]
+    buf = torch.randn(B, T, sum(widths) + 2 * PAD, generator=gen).to(device=device, dtype=dtype)
+    parts, start = [], PAD
+    for w in widths:
+        parts.append(buf[..., start : start + w])
+        start += w
+    weight = (torch.randn(C, 4, generator=gen) * 0.5).to(device=device, dtype=dtype)
+    return (*parts, weight)
+
+
+def stock_prep(x, weight, b, HK, DK, DV):
+    """Stock's conv + SiLU ([B, C, T] layout), split, q / k `l2norm` (fla's eps), beta = sigmoid(b) in fp32."""
+    B, T, C = x.shape
+    y = STOCK_CONV(x.transpose(1, 2), weight, None, activation="silu").transpose(1, 2)
+    q, k, v = torch.split(y, [HK * DK, HK * DK, C - 2 * HK * DK], dim=-1)
+
+    def l2(t):  # fla's l2norm (the path stock takes on the GPU): fp32 over the rounded conv output
+        return STOCK_L2NORM(t.reshape(B, T, HK, DK).float(), dim=-1, eps=1e-6).to(x.dtype)
+
+    return l2(q), l2(k), v.reshape(B, T, -1, DV), b.float().sigmoid()
+
+
+def check_prep(device, dtype, B, T, HK, DK, HV, DV):
+    x, _, b, a, weight = packed_projection(B, T, HK, DK, HV, DV, dtype, device)
+    got = fused_ops.deltanet_prep(x, weight, None, b, a, HK, DK, DV)
+    ref = fused_ops.deltanet_prep_ref(x, weight, None, b, a, HK, DK, DV)
+    stock = stock_prep(x, weight, b, HK, DK, DV)
+    for name, g, r in zip(("q", "k", "v", "beta", "g"), got, ref):
+        assert g.is_contiguous(), f"{name} is not contiguous"
+        assert_close(f"{name} vs ref", g, r)
+    for name, g, s in zip(("q", "k", "v", "beta"), got, stock):
+        assert_close(f"{name} vs stock", g, s)
+    assert torch.equal(got[4], a), "g must be a copy of a"
+
+
+def check_gated_norm(device, dtype, B, T, HV, DV, weight_dtype=None):
+    _, z, _, _, _ = packed_projection(B, T, 1, 8, HV, DV, dtype, device, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    core = torch.randn(B, T, HV, DV, generator=gen).to(device=device, dtype=dtype)
+    norm = Qwen3_5RMSNormGated(DV, eps=1e-6).to(device=device, dtype=weight_dtype or dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(DV, generator=gen))
+    got = fused_ops.gated_rms_norm(core, z, norm.weight, 1e-6)
+    assert_close("vs ref", got, fused_ops.gated_rms_norm_ref(core, z, norm.weight, 1e-6))
+    with torch.no_grad():
+        stock = norm(core.reshape(-1, DV), z.reshape(-1, DV)).to(dtype).reshape(B, T, -1)
+    assert_close("vs stock Qwen3_5RMSNormGated", got, stock)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU (interpreter): tiny shapes, odd sizes, head dims that differ and are not powers of two
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    "B, T, HK, DK, HV, DV",
+    [(1, 1, 2, 8, 4, 8), (2, 7, 2, 8, 4, 12), (3, 19, 1, 16, 3, 16), (1, 70, 2, 8, 2, 8)],
+    ids=["T1", "T7-DV12", "B3-T19-HV3", "T70"],
+)
+def test_deltanet_prep_cpu(dtype, B, T, HK, DK, HV, DV):
+    check_prep("cpu", dtype, B, T, HK, DK, HV, DV)
+
+
+@needs_interpreter
+def test_deltanet_prep_bias_cpu():
+    x, _, b, a, weight = packed_projection(2, 9, 2, 8, 4, 8, torch.float32, "cpu")
+    bias = torch.randn(weight.shape[0])
+    got = fused_ops.deltanet_prep(x, weight, bias, b, a, 2, 8, 8)
+    for name, g, r in zip("qkv", got, fused_ops.deltanet_prep_ref(x, weight, bias, b, a, 2, 8, 8)):
+        assert_close(name, g, r)
+
+
+@needs_interpreter
+def test_deltanet_prep_causal_cpu():
+    """A token's outputs depend on no later token: change the last token's inputs, the earlier outputs stay."""
+    x, _, b, a, weight = packed_projection(1, 12, 2, 8, 4, 8, torch.float32, "cpu")
+    before = fused_ops.deltanet_prep(x, weight, None, b, a, 2, 8, 8)
+    x[:, -1] += 1.0
+    after = fused_ops.deltanet_prep(x, weight, None, b, a, 2, 8, 8)
+    for name, u, w in zip("qkv", before, after):
+        assert torch.equal(u[:, :-1], w[:, :-1]), name
+        assert not torch.equal(u[:, -1], w[:, -1]), name
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("B, T, HV, DV", [(1, 1, 4, 8), (2, 7, 3, 12), (1, 33, 2, 16)], ids=["T1", "T7", "T33"])
+def test_gated_rms_norm_cpu(dtype, B, T, HV, DV):
+    check_gated_norm("cpu", dtype, B, T, HV, DV)
+
+
+@needs_interpreter
+def test_gated_rms_norm_fp32_weight_cpu():
+    check_gated_norm("cpu", torch.bfloat16, 2, 5, 3, 8, weight_dtype=torch.float32)
+
+
+@needs_interpreter
+def test_gated_rms_norm_2d_decode_layout_cpu():
+    """The decode step's layout: core [B, HV, V], z [B, HV * V] a column slice."""
+    _, z, _, _, _ = packed_projection(3, 1, 1, 8, 4, 8, torch.bfloat16, "cpu")
+    z = z[:, 0]
+    core, w = torch.randn(3, 4, 8).bfloat16(), torch.rand(8).bfloat16()
+    assert_close("decode layout", fused_ops.gated_rms_norm(core, z, w, 1e-6), fused_ops.gated_rms_norm_ref(core, z, w, 1e-6))
+
+
+@needs_interpreter
+def test_empty_inputs_cpu():
+    x, _, b, a, weight = packed_projection(2, 0, 2, 8, 4, 8, torch.float32, "cpu")
+    q, k, v, beta, g = fused_ops.deltanet_prep(x, weight, None, b, a, 2, 8, 8)
+    assert q.shape == (2, 0, 2, 8) and v.shape == (2, 0, 4, 8) and beta.shape == (2, 0, 4)
+    assert fused_ops.gated_rms_norm(torch.zeros(2, 0, 4, 8), torch.zeros(2, 0, 32), torch.ones(8), 1e-6).shape == (2, 0, 32)
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("channels", "x has C=64 channels"),
+        ("weight", r"weight must be \[C, W\]"),
+        ("ba", "b, a \\[B, T, HV\\]"),
+        ("int", "must be float32"),
+        ("norm_z", r"z \[\.\.\., HV \* V\]"),
+        ("norm_w", r"weight must have shape \(8,\)"),
+    ],
+)
+def test_rejects_bad_inputs(case, match):
+    x, z, b, a, weight = packed_projection(2, 3, 2, 8, 4, 8, torch.float32, "cpu")
+    core = torch.randn(2, 3, 4, 8)
+    calls = {
+        "channels": lambda: fused_ops.deltanet_prep(x, weight, None, b, a, 2, 8, 4),
+        "weight": lambda: fused_ops.deltanet_prep(x, weight[:-1], None, b, a, 2, 8, 8),
+        "ba": lambda: fused_ops.deltanet_prep(x, weight, None, b, a[..., :-1], 2, 8, 8),
+        "int": lambda: fused_ops.deltanet_prep(x, weight, None, b.long(), a, 2, 8, 8),
+        "norm_z": lambda: fused_ops.gated_rms_norm(core, z[..., :-8], torch.ones(8), 1e-6),
+        "norm_w": lambda: fused_ops.gated_rms_norm(core, z, torch.ones(7), 1e-6),
+    }
+    with pytest.raises(ValueError, match=match):
+        calls[case]()
+
+
+_COMPILE_SM90 = r"""
+import sys
+sys.modules["fla"] = None
+sys.path.insert(0, {repo!r})
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import fused_ops
+
+def compile_(fn, types, constexprs, num_warps):
+    signature = {{n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}}
+    attrs = {{(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in constexprs and (signature[n].startswith("*") or n.startswith("stride"))}}
+    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={{"num_warps": num_warps}})
+    assert kernel.asm["cubin"], fn.__name__
+    print(fn.__name__, "ok")
+
+ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", b_ptr="*bf16", a_ptr="*bf16", y_ptr="*bf16",
+            beta_ptr="*fp32", g_ptr="*bf16", eps="fp32")
+for block_t in (16, 64):
+    compile_(fused_ops._deltanet_prep_kernel, ptrs,
+             dict(HK=16, DK=128, HV=32, DV=128, W=4, HAS_BIAS=False, BLOCK_T=block_t, BLOCK_D=128, BLOCK_HV=32), 8)
+compile_(fused_ops._gated_rms_norm_kernel, dict(x_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", eps="fp32"),
+         dict(HV=32, BLOCK_M=8, BLOCK_D=128), 4)
+"""
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter runs kernels the GPU compiler may reject: compile the real-shape variants for sm_90 (Triton's
+    bundled ptxas, no GPU needed) in a subprocess without TRITON_INTERPRET."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90.format(repo=str(REPO))], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count(" ok") == 3, proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CUDA: real Qwen3.5 linear-attention shapes (16 key heads, 16 / 32 / 48 value heads, head dims 128)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T", [1, 7, 64, 129, 2048])
+@pytest.mark.parametrize("HV", [16, 32, 48])
+def test_deltanet_prep_cuda(dtype, T, HV):
+    check_prep("cuda", dtype, 1 if T == 2048 else 3, T, 16, 128, HV, 128)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T", [1, 7, 129, 2048])
+@pytest.mark.parametrize("HV", [16, 32, 48])
+def test_gated_rms_norm_cuda(dtype, T, HV):
+    check_gated_norm("cuda", dtype, 1 if T == 2048 else 3, T, HV, 128)
