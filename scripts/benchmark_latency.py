@@ -309,8 +309,15 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
             out[name]["peak_bytes"] = torch.cuda.max_memory_allocated(device)
         if graphs is not None:
             model.config.cuda_graphs = saved
-            buckets = model.describe()["decode"]["buckets"]
-            out[name]["cache_bytes"] = max((b["cache_bytes"] for b in buckets if b["batch"] == batch), default=0)
+            decode = model.describe()["decode"]
+            out[name]["cache_bytes"] = max((b["cache_bytes"] for b in decode["buckets"] if b["batch"] == batch),
+                                           default=0)
+            # which decode-step linears run on our GEMV and which on cuBLAS (timed per shape on this card)
+            linears = {k: v for k, v in decode.get("linears", {}).items() if k.startswith(f"{batch}x")}
+            if linears:
+                out[name]["linears"] = linears
+                gemv = sum(v != "cublas" for v in linears.values())
+                log(f"decode batch={batch} {name}: GEMV chosen for {gemv} of {len(linears)} linear shapes")
         log(f"decode batch={batch} {name}: {per_token:.3f} ms/token, first token {(t1 - t0) * 1e3:.2f} ms")
     return out
 
