@@ -1522,6 +1522,10 @@ def _check_model_type(config) -> None:
 class _FusedPreTrainedMixin:
     """Shared by the four public classes: load-time switches, re-packing after load, ``describe()``."""
 
+    # accelerate keeps modules whole by class *name*; the decoder layers are `FusedDecoderLayer`s here, so without
+    # that name `device_map="auto"` could cut a layer between GPUs, even between the views of one packed matrix.
+    _no_split_modules = ["Qwen3_5DecoderLayer", "FusedDecoderLayer", "Qwen3_5VisionBlock"]
+
     def _text_model(self) -> Qwen3_5TextModel:
         raise NotImplementedError
 

@@ -280,3 +280,29 @@ def test_tensor_parallel_is_refused_with_fused_kernels(tmp_path, kw):
         modeling.Qwen3_5FusedForCausalLM.from_pretrained(tmp_path, fused_kernels=False, **kw)
     except Exception as err:  # noqa: BLE001 - whatever transformers says without torchrun, it is not our refusal
         assert "Tensor parallel loading" not in str(err)
+
+
+@pytest.mark.parametrize("composite", [False, True], ids=["causal-lm", "composite"])
+def test_auto_device_map_keeps_decoder_layers_whole(composite):
+    """`device_map="auto"` places modules by accelerate's `infer_auto_device_map` with the model's
+    `_no_split_modules`, matched by class name. The fused decoder layers are `FusedDecoderLayer`s, so that name must
+    be listed, or a layer (even one packed q|k|v matrix) is cut between devices. Two devices with room for ~45% of
+    the model each force cuts: the fused model must be cut where stock is, at whole layers."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import compute_module_sizes
+
+    if composite:
+        kwargs = composite_kwargs(num_hidden_layers=8)
+        stock = Qwen3_5ForConditionalGeneration(Qwen3_5ForConditionalGeneration.config_class(**kwargs))
+        fused = modeling.Qwen3_5FusedForConditionalGeneration(configuration.Qwen3_5FusedConfig(**kwargs))
+    else:
+        stock, fused = stock_and_fused_lm(num_hidden_layers=8, tie_word_embeddings=False)
+    maps = []
+    for model in (stock, fused):
+        total = compute_module_sizes(model)[""]
+        maps.append(infer_auto_device_map(model, max_memory={0: int(total * 0.45), 1: int(total * 0.45), "cpu": 4 * total},
+                                          no_split_module_classes=list(model._no_split_modules)))
+    assert "FusedDecoderLayer" in fused._no_split_modules
+    assert maps[1] == maps[0]
+    assert len(set(maps[1].values())) == 3  # the map really splits the model
+    assert not [k for k in maps[1] if ".layers." in k and k.split(".layers.")[1].count(".")]  # no part of a layer

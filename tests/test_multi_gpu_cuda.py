@@ -4,6 +4,8 @@ Run on a machine with two GPUs (the ``nvidia-h200-x2`` kind): ``python -m pytest
 An 8-layer random model (two 3:1 groups) is saved, then loaded with its first half on ``cuda:0`` and the second
 half, the final norm and the LM head on ``cuda:1``. Each layer runs its fused path on its own device; the fused
 decode step follows the layers across devices without CUDA graphs (said once), and the forward is not captured.
+The last test loads with ``device_map="auto"`` itself (the split accelerate infers; that it never cuts a decoder
+layer is also checked on CPU in ``test_model_cpu.py``).
 """
 
 import logging
@@ -101,3 +103,24 @@ def test_greedy_tokens_equal_single_gpu_and_stock(models, caplog):
         assert rel_err(a.to(b.device)[finite], b[finite]) <= 2e-5
     messages = [r.getMessage() for r in caplog.records if "decode step runs without CUDA graphs" in r.getMessage()]
     assert len(messages) == 1  # two split generate calls, said once
+
+
+def test_device_map_auto_splits_at_whole_layers(tmp_path):
+    """`device_map="auto"` itself (accelerate's inference, here with `max_memory` that fits ~55% of the model per GPU
+    so both are used): no decoder layer is cut, every layer runs fused, greedy tokens equal stock's (fp32)."""
+    stock, _ = stock_and_fused_lm(seed=1, num_hidden_layers=LAYERS, tie_word_embeddings=False)
+    stock.save_pretrained(tmp_path)
+    size = sum(p.numel() * p.element_size() for p in stock.parameters())
+    auto = modeling.Qwen3_5FusedForCausalLM.from_pretrained(
+        tmp_path, device_map="auto", max_memory={0: int(0.55 * size), 1: int(0.55 * size)}, dtype=torch.float32,
+        fused_kernels=True,
+    ).eval()
+    assert {str(d) for d in auto.hf_device_map.values()} == {"0", "1"}
+    assert not [k for k in auto.hf_device_map if ".layers." in k and k.split(".layers.")[1].count(".")]
+    assert all(v["path"] == "fused" for v in auto.describe()["layers"].values())
+    stock = stock.cuda().eval()
+    ids = torch.randint(3, 250, (2, 17), device="cuda:0")
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+              pad_token_id=0)
+    with torch.inference_mode():
+        assert torch.equal(auto.generate(ids, **kw), stock.generate(ids, **kw))
