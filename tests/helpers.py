@@ -1,17 +1,67 @@
 """Small helpers shared by the test modules (no fixtures: plain functions)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from scripts.common import import_repo, tiny_text_kwargs, tiny_vision_kwargs
 
 configuration, modeling, fused_ops = import_repo()
+REPO = Path(__file__).resolve().parents[1]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (the one error measure of the suite)."""
     a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
     return ((a64 - b64).norm() / b64.norm().clamp_min(1e-300)).item()
+
+
+def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, bound: float) -> None:
+    """Same shape and dtype, no NaN (an element never written), and `rel_err(got, want) <= bound`."""
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    assert not got.isnan().any(), f"{name}: NaN in the output (an element was never written?)"
+    err = rel_err(got, want)
+    assert err <= bound, f"{name}: rel_err {err:.3g} > {bound:g} ({want.dtype})"
+
+
+# The kernels as they will be compiled on the H200 (sm_90): every pointer 16-byte aligned and every stride but the
+# unit ones divisible by 16, as Triton's launcher specialises them for the real shapes. The calls to `compile_` follow.
+_SM90_PRELUDE = r"""
+import sys
+sys.modules["fla"] = None  # not needed here; saves fla's ~10 s import
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import fused_ops
+
+def compile_(fn, types, constexprs, num_warps):
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in constexprs and (signature[n].startswith("*") or n.startswith("stride"))}
+    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": num_warps})
+    assert kernel.asm["cubin"], fn.__name__
+    print(fn.__name__, "ok")
+"""
+
+
+def compile_for_sm90(calls: str) -> int:
+    """Compile kernels for sm_90 without a GPU (Triton's bundled ptxas), in a subprocess without TRITON_INTERPRET:
+    the interpreter runs kernels that the GPU compiler may reject. `calls` is Python source calling
+    `compile_(kernel, arg types, constexprs, num_warps)`; returns how many compiled (the test fails on any error)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's notice; fusion is every version's default
+    proc = subprocess.run([sys.executable, "-c", _SM90_PRELUDE + calls, str(REPO)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout.count(" ok")
 
 
 def stock_text_config(**overrides):

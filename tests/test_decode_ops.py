@@ -31,18 +31,15 @@ Error bounds (relative, `rel_err` below), and why:
 
 import inspect
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fused_ops
+from helpers import compile_for_sm90
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-REPO = Path(__file__).resolve().parents[1]
 STOCK_CONV_UPDATE = inspect.unwrap(modeling_qwen3_5.causal_conv1d_update)
 STOCK_RECURRENT_GDR = inspect.unwrap(modeling_qwen3_5.torch_recurrent_gated_delta_rule)
 
@@ -546,26 +543,7 @@ def test_gemv_rejects_bad_inputs(case, match):
         fused_ops.gemv(*args)
 
 
-# The kernels as they will be compiled on the H200 (sm_90): every pointer 16-byte aligned and every stride but the
-# unit ones divisible by 16, as Triton's launcher specialises them for the real shapes.
-_COMPILE_SM90 = r"""
-import os, sys
-sys.modules["fla"] = None  # not needed here; saves fla's ~10 s import
-sys.path.insert(0, {repo!r})
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import fused_ops
-
-def compile_(fn, types, constexprs, num_warps):
-    signature = {{n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}}
-    attrs = {{(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in constexprs and (signature[n].startswith("*") or n.startswith("stride"))}}
-    src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={{"num_warps": num_warps}})
-    assert kernel.asm["cubin"], fn.__name__
-    print(fn.__name__, "ok")
-
+_SM90_CALLS = r"""
 compile_(fused_ops._causal_conv1d_step_kernel,
          dict(x_ptr="*bf16", s_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", y_ptr="*bf16"),
          dict(W=4, HAS_BIAS=False, BLOCK_D=256, BLOCK_W=4), 4)
@@ -582,17 +560,8 @@ for block_m in (1, 8):
 
 
 def test_kernels_compile_for_sm90():
-    """The interpreter runs kernels that the GPU compiler may reject; compile the real-shape variants for sm_90
-    (no GPU needed: Triton's bundled ptxas) in a subprocess without TRITON_INTERPRET."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's notice; fusion is every version's default
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SM90.format(repo=str(REPO))], capture_output=True, text=True, timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count(" ok") == 2 + 4 * len(fused_ops._GEMV_CONFIGS), proc.stdout
+    """The real-shape variants of this file's kernels compile for sm_90."""
+    assert compile_for_sm90(_SM90_CALLS) == 2 + 4 * len(fused_ops._GEMV_CONFIGS)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
