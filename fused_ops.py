@@ -18,6 +18,10 @@ the input dtype exactly where stock rounds):
   updated in place, CUDA-graph capturable.
 - `deltanet_prep`: a Gated DeltaNet prefill's causal conv + SiLU of q|k|v, the q / k L2 norm and beta, one launch,
   ready for fla's `chunk_gated_delta_rule`; `gated_rms_norm`: the gated RMSNorm after it, reading z in place.
+- `decode_attention`: the decode step's attention of one new token over the preallocated K/V cache (split keys,
+  GQA, padding mask), merged with the output gate: two launches.
+- `gated_delta_rule_prefill` (fla glue, no kernel of ours): a prompt's gated delta rule by fla's chunked kernel, or
+  by its per-token kernel where fp32 must stay IEEE fp32 (`prefill_rule_kernel` decides).
 - `gemv` (and `small_linear`, which picks it or cuBLAS per shape by timing both once): the decode step's linears
   for 1-16 rows as one weight read, optionally with the SwiGLU of the packed gate|up projection in its epilogue.
 """
@@ -39,10 +43,11 @@ except Exception:  # pragma: no cover - depends on the environment
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fused_recurrent_gated_delta_rule
 
     HAS_FLA = True
 except Exception:  # pragma: no cover - depends on the environment
-    fla_chunk_gated_delta_rule = None
+    fla_chunk_gated_delta_rule = fla_fused_recurrent_gated_delta_rule = None
     HAS_FLA = False
 
 
@@ -1092,9 +1097,11 @@ def gated_delta_rule_step_ref(
 # and keeps the faster, so it cannot make a shape slower than cuBLAS.
 # ---------------------------------------------------------------------------------------------------------------------
 
-# (BLOCK_N, BLOCK_K, num_warps) tried per shape. Few output rows per program (4-8) keep ~5 programs per SM on the
-# 2560-row matrices of the 4B model; 512-1024 columns per iteration keep 4-16 KB of weights in flight per program.
-_GEMV_CONFIGS = ((4, 1024, 4), (8, 512, 4))
+# (BLOCK_N, BLOCK_K, num_warps) tried per shape: the configs that won at least one decode shape of the 0.8B / 4B / 9B
+# models at batch 1 in a sweep of ten (H200, 2026-11-30, weights cold in L2; PERFORMANCE.md). Few rows and long rows
+# (2 x 2048) win the matrices with few outputs (o_proj, out_proj, down_proj), 8 x 256-512 the tall ones (gate|up,
+# in_proj, the LM head). At 8 rows cuBLAS won every shape.
+_GEMV_CONFIGS = ((8, 512, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (8, 256, 4), (1, 2048, 4))
 _GEMV_MAX_M = 16
 
 if HAS_TRITON:
@@ -1182,12 +1189,30 @@ _small_linear_choice: dict = {}
 _gemv_failed: set = set()
 
 
-def _time_ms(fn, reps: int = 10) -> float:
-    """Median of `reps` CUDA-event timings of `fn()` after two warm calls (host syncs: used outside capture only)."""
+# The decode step reads each weight once per token and the model is far larger than L2 (50 MB on an H200), so the
+# candidates are timed with L2 flushed (a scratch buffer zeroed) before each run: timed warm, a 4-20 MB matrix would
+# be read from L2. 64 MB: enough to evict an H200's L2, and a transient 3% of the smallest model's (0.8B) peak
+# memory, held only while the first decode step times its shapes.
+_L2_FLUSH_BYTES = 64 << 20
+# Inside the step's CUDA graph every kernel starts as soon as the one before ends, whoever launched it. Timed
+# eagerly, a kernel starts only once the host has launched it, and Triton's launcher costs the host more than
+# cuBLAS's: timed that way, cuBLAS won shapes on which our GEMV is 1.4x faster inside a graph (H200, 2026-11-30:
+# 0.8B gate|up 11.1 us by cuBLAS in the step against 5.8 us by the GEMV in a graph). So the GPU sleeps this many
+# cycles (~0.2 ms) before each timed call, while the host queues it.
+_HOST_LEAD_CYCLES = 400_000
+
+
+def _time_ms(fn, reps: int = 10, flush: torch.Tensor | None = None) -> float:
+    """Median of `reps` CUDA-event timings of `fn()` after two warm calls, `flush` (a scratch buffer) zeroed before
+    each timed call when given, the call queued behind a GPU sleep so the host's launch cost is not timed (host
+    syncs: used outside capture only)."""
     for _ in range(2):
         fn()
     times = []
     for _ in range(reps):
+        if flush is not None:
+            flush.zero_()
+        torch.cuda._sleep(_HOST_LEAD_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -1208,8 +1233,9 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> tor
     """The decode step's linear: `x @ w.T` ([M, K] x [N, K]), or with `gate_up` the SwiGLU of the packed gate|up
     projection, by cuBLAS (`F.linear`, then `swiglu`) or by `gemv`, whichever runs faster on this card for this
     shape. The choice is timed once per shape at its first call outside CUDA-graph capture (the decode step's eager
-    warm-up: ~12 timed runs per candidate) and kept for the process; a shape first met inside a capture, more than
-    16 rows, or a weight `gemv` does not take, uses cuBLAS. One decision point."""
+    warm-up: ~12 runs per candidate, each queued behind a GPU sleep with L2 flushed, as the captured step meets its
+    weights) and kept for the process; a shape first met inside a capture, more than 16 rows, or a weight `gemv`
+    does not take, uses cuBLAS. One decision point."""
     key = (x.shape[0], w.shape[0], w.shape[1], gate_up, x.dtype, x.device)
     choice = _small_linear_choice.get(key)
     if choice is None:
@@ -1217,10 +1243,11 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> tor
         eligible = HAS_TRITON and x.is_cuda and x.shape[0] <= _GEMV_MAX_M and w.is_contiguous() and w.dtype == x.dtype
         if eligible and not torch.cuda.is_current_stream_capturing():
             with torch.cuda.device(x.device):  # the events must time x's device (device_map puts layers elsewhere)
-                timings = {"cublas": _time_ms(lambda: _run_small_linear(x, w, gate_up, "cublas"))}
+                flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=x.device)
+                timings = {"cublas": _time_ms(lambda: _run_small_linear(x, w, gate_up, "cublas"), flush=flush)}
                 for config in _GEMV_CONFIGS:
                     try:
-                        timings[config] = _time_ms(lambda config=config: gemv(x, w, gate_up, config))
+                        timings[config] = _time_ms(lambda config=config: gemv(x, w, gate_up, config), flush=flush)
                     except Exception as err:  # noqa: BLE001 - a config that fails on this card is not chosen, said once
                         if config not in _gemv_failed:
                             _gemv_failed.add(config)
@@ -1510,3 +1537,273 @@ def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
     h = weight * h.to(x.dtype)
     h = h * torch.nn.functional.silu(z.reshape(-1, D).float())
     return h.to(x.dtype).reshape(z.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 10. Gated DeltaNet prefill, the rule itself: fla's kernels, chosen for precision
+#
+# No kernel of ours. fla's chunked kernel computes its fp32 dots in TF32 (its triangular solve asks for TF32
+# explicitly; its other dots take Triton's fp32 default, which is TF32 too). Measured on an H200 (2026-11-30, 4-layer
+# random model, 16:16 heads, T=129, fp32): stock transformers with fla is 8.7e-4 (relative logit error) from stock's
+# own torch rule, and so is the fused path through the chunked kernel; through fla's per-token kernel (no dots, IEEE
+# fp32) the fused path is 6.8e-7 from stock's torch rule. torch's fp32 matmuls are IEEE unless the user allows TF32
+# (`torch.set_float32_matmul_precision`), so fp32 follows that switch here too.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def prefill_rule_kernel(dtype: torch.dtype) -> str:
+    """Which fla kernel runs a prompt's gated delta rule for activations of `dtype`: "fused_recurrent" for fp32
+    while torch's fp32 matmul precision is "highest" (its default: no TF32), else "chunk". One decision point, read
+    at every eager forward; a forward already captured in a CUDA graph keeps the kernel it was captured with."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "fused_recurrent"
+    return "chunk"
+
+
+def gated_delta_rule_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule over a prompt from a zero state, gate `-exp(A_log) * softplus(a + dt_bias)` computed in
+    the kernel, by fla (`prefill_rule_kernel` picks the chunked or the per-token kernel).
+
+    Args:
+        q, k: [B, T, H, K], already L2-normalised (`deltanet_prep`); v: [B, T, HV, V], HV a multiple of H (grouped
+            value heads, as stock's `repeat_interleave`); one dtype.
+        a: [B, T, HV] the raw gate input; beta: [B, T, HV] float32, already `sigmoid(b)`.
+        A_log, dt_bias: [HV].
+
+    Returns:
+        o [B, T, HV, V] in q's dtype, and the final state [B, HV, K, V] float32 (None unless `output_final_state`).
+    """
+    kernel = prefill_rule_kernel(q.dtype)
+    if kernel == "chunk":
+        return fla_chunk_gated_delta_rule(
+            q, k, v, g=a, beta=beta, output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
+            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=False, A_log=A_log, dt_bias=dt_bias,
+        )
+    return fla_fused_recurrent_gated_delta_rule(
+        q, k, v, g=a, beta=beta, output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
+        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+    )
+
+
+def gated_delta_rule_prefill_ref(q, k, v, a, beta, A_log, dt_bias, output_final_state=False):
+    """Plain-torch `gated_delta_rule_prefill`: stock's torch chunked rule on key heads repeated for their value heads
+    (what stock runs without fla). fp32 math inside; o in q's dtype, as fla returns it."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as stock  # lazy: only the references need transformers
+
+    import inspect
+
+    gate = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    group = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    rule = inspect.unwrap(stock.torch_chunk_gated_delta_rule)
+    o, state = rule(q, k, v, g=gate, beta=beta, initial_state=None, output_final_state=output_final_state,
+                    use_qk_l2norm_in_kernel=False)
+    return o.to(q.dtype), state
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 11. Decode attention: one query token per row over the preallocated K/V cache, GQA, padding mask, output gate
+#
+# Why our own kernel: through SDPA with a boolean mask, the decode step's attention ran cuDNN's prefill flash kernel
+# (64 x 128 query tiles for one query row) at 16.8 us per layer for a 256-key cache (H200, 2026-11-30; the 4B
+# layer reads 1 MB of K/V, 0.25 us of bandwidth), then the gate as a second launch. Here the keys are split across
+# programs (flash-decoding), each program serving all query heads of one KV head with two tensor-core dots per block
+# of keys, and a second launch merges the splits and applies `o * sigmoid(gate)`. Keys after `slot` (the newest
+# key) are not read, so a long preallocated cache costs only the keys written so far.
+# ---------------------------------------------------------------------------------------------------------------------
+
+_DA_BLOCK_L = 32  # keys per iteration (tl.dot needs >= 16)
+_DA_MIN_SPLIT = 64  # keys per program, at least; more for long caches so that the merge reads at most _DA_MAX_SPLITS
+_DA_MAX_SPLITS = 32
+# The running max of a split that has seen no valid key is -1e30 (written inline in the kernels), not -inf: finite,
+# so its weight exp(-1e30 - m) in the merge is 0 rather than NaN.
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _decode_attention_split_kernel(
+        q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, m_ptr, l_ptr, acc_ptr,
+        stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_k_l, stride_v_b, stride_v_h, stride_v_l,
+        stride_valid_b, L, S, scale,
+        H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+        SPLIT: tl.constexpr, BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    ):
+        # program (row b, KV head, split s): query heads [kv * G, (kv + 1) * G) against keys [s * SPLIT, ...)
+        i_b = tl.program_id(0) // KV
+        i_kv = tl.program_id(0) % KV
+        i_s = tl.program_id(1)
+        G = H // KV
+        o_g = tl.arange(0, BLOCK_G)
+        o_d = tl.arange(0, BLOCK_D)
+        m_g = o_g < G
+        m_d = o_d < D
+        i_h = i_kv * G + o_g  # [BG] query heads
+        b_q = tl.load(q_ptr + i_b * stride_q_b + i_h[:, None] * stride_q_h + o_d[None, :],
+                      mask=m_g[:, None] & m_d[None, :], other=0.0)  # [BG, BD]
+        n_keys = tl.minimum(tl.load(slot_ptr) + 1, L)
+        start = i_s * SPLIT
+        end = tl.minimum(start + SPLIT, n_keys)
+        b_m = tl.full([BLOCK_G], -1.0e30, tl.float32)
+        b_l = tl.zeros([BLOCK_G], tl.float32)
+        b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        p_k = k_ptr + i_b.to(tl.int64) * stride_k_b + i_kv * stride_k_h
+        p_v = v_ptr + i_b.to(tl.int64) * stride_v_b + i_kv * stride_v_h
+        for l0 in range(start, end, BLOCK_L):
+            o_l = l0 + tl.arange(0, BLOCK_L)
+            m_l = o_l < end
+            ok = tl.load(valid_ptr + i_b * stride_valid_b + o_l, mask=m_l, other=0) != 0
+            m_kv = m_l[:, None] & m_d[None, :]
+            b_k = tl.load(p_k + o_l[:, None] * stride_k_l + o_d[None, :], mask=m_kv, other=0.0)  # [BL, BD]
+            if UPCAST:  # the interpreter (CPU) mis-multiplies 16-bit dots; fp32 products of 16-bit values are exact
+                b_s = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee")
+            else:
+                b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)
+            b_s = b_s * scale  # [BG, BL] fp32
+            b_s = tl.where(ok[None, :], b_s, float("-inf"))
+            m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+            alpha = tl.exp(b_m - m_new)
+            b_p = tl.exp(b_s - m_new[:, None])
+            b_l = b_l * alpha + tl.sum(b_p, axis=1)
+            b_v = tl.load(p_v + o_l[:, None] * stride_v_l + o_d[None, :], mask=m_kv, other=0.0)  # [BL, BD]
+            # p rounded to the cache dtype for the second dot, as flash attention kernels round it
+            v_dt = b_v.dtype
+            b_p = _round_to(b_p, v_dt)
+            if UPCAST:
+                b_pv = tl.dot(b_p, b_v.to(tl.float32), input_precision="ieee")
+            else:
+                b_pv = tl.dot(b_p.to(v_dt), b_v, input_precision=DOT_PRECISION)
+            b_acc = b_acc * alpha[:, None] + b_pv
+            b_m = m_new
+        row = (i_b * H + i_h) * S + i_s  # [BG] rows of the [B, H, S] partials
+        tl.store(m_ptr + row, b_m, mask=m_g)
+        tl.store(l_ptr + row, b_l, mask=m_g)
+        tl.store(acc_ptr + row.to(tl.int64)[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None] & m_d[None, :])
+
+    @triton.jit
+    def _decode_attention_merge_kernel(
+        m_ptr, l_ptr, acc_ptr, gate_ptr, y_ptr, S, stride_gate_b,
+        H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        # program (row b, query head h): merge the S splits, round as SDPA's output, then o * sigmoid(gate)
+        i_bh = tl.program_id(0)
+        i_b = i_bh // H
+        i_h = i_bh % H
+        o_s = tl.arange(0, BLOCK_S)
+        o_d = tl.arange(0, BLOCK_D)
+        m_s = o_s < S
+        m_d = o_d < D
+        b_m = tl.load(m_ptr + i_bh * S + o_s, mask=m_s, other=-1.0e30)
+        b_l = tl.load(l_ptr + i_bh * S + o_s, mask=m_s, other=0.0)
+        b_w = tl.exp(b_m - tl.max(b_m, axis=0))  # [BS]; 0 for splits without a valid key
+        rows = (i_bh * S + o_s).to(tl.int64)
+        b_acc = tl.load(acc_ptr + rows[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+        b_o = tl.sum(b_acc * b_w[:, None], axis=0) / tl.sum(b_w * b_l, axis=0)  # [BD]
+        dt = y_ptr.dtype.element_ty
+        b_o = _round_to(b_o, dt)
+        b_g = tl.load(gate_ptr + i_b * stride_gate_b + i_h * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+        b_sg = _round_to(1.0 / (1.0 + tl.exp(-b_g)), dt)  # as sigmoid_gate_mul: sigmoid rounded, then the product
+        tl.store(y_ptr + i_b * (H * D) + i_h * D + o_d, _round_to(b_o * b_sg, dt).to(dt), mask=m_d)
+
+
+def _decode_attention_split(L: int) -> int:
+    """Keys per split program for a cache of L keys: _DA_MIN_SPLIT, doubled until at most _DA_MAX_SPLITS splits."""
+    split = _DA_MIN_SPLIT
+    while triton.cdiv(L, split) > _DA_MAX_SPLITS:
+        split *= 2
+    return split
+
+
+def decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    slot: torch.Tensor,
+    gate: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Gated attention of one new token per row over a preallocated K/V cache: `o * sigmoid(gate)`, where `o` is
+    softmax attention of q over the cache's keys 0..slot that `valid` marks (padding excluded). Two launches.
+
+    Args:
+        q: [B, H, D] float32 / bfloat16 / float16, last dim contiguous (the query, normed and rotated).
+        keys, values: [B, KV, L, D], q's dtype, last dim contiguous; query head h reads KV head h // (H / KV).
+        valid: [B, L] bool, contiguous rows: which cache positions hold a real (non-padding) key.
+        slot: [1] int64 on q's device: the newest key's position; positions after it are not read.
+        gate: [B, H * D], q's dtype, last dim contiguous (`attn_prep`'s gate).
+        scale: the softmax scale (stock's `head_dim ** -0.5`).
+
+    Returns:
+        y [B, H * D] in q's dtype: the attention output rounded to the dtype (as SDPA returns it), times
+        `sigmoid(gate)` rounded, rounded (as `sigmoid_gate_mul`).
+
+    Replaces, in the decode step, `F.scaled_dot_product_attention(q, keys, values, attn_mask=valid)` over the whole
+    cache and `sigmoid_gate_mul`. fp32 runs its dots in IEEE fp32. No host sync: capturable.
+    """
+    _check_triton("decode_attention")
+    for name, t in (("q", q), ("keys", keys), ("values", values), ("gate", gate)):
+        _check_float(name, t)
+    if q.dim() != 3 or keys.dim() != 4 or values.shape != keys.shape:
+        raise ValueError(f"decode_attention needs q [B, H, D] and keys / values [B, KV, L, D], got "
+                         f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}.")
+    B, H, D = q.shape
+    _, KV, L, _ = keys.shape
+    if keys.shape[0] != B or keys.shape[3] != D or KV < 1 or H % KV:
+        raise ValueError(f"keys must be [B={B}, KV, L, D={D}] with H={H} a multiple of KV, got {tuple(keys.shape)}.")
+    if keys.dtype != q.dtype or values.dtype != q.dtype or gate.dtype != q.dtype:
+        raise ValueError(f"q, keys, values and gate must have one dtype, got {q.dtype}, {keys.dtype}, "
+                         f"{values.dtype}, {gate.dtype}.")
+    if valid.shape != (B, L) or valid.dtype != torch.bool:
+        raise ValueError(f"valid must be [B, L] = {(B, L)} bool, got {tuple(valid.shape)} {valid.dtype}.")
+    if slot.numel() != 1 or slot.dtype != torch.long:
+        raise ValueError(f"slot must be a one-element int64 tensor, got {tuple(slot.shape)} {slot.dtype}.")
+    if gate.shape != (B, H * D):
+        raise ValueError(f"gate must be [B, H*D] = {(B, H * D)}, got {tuple(gate.shape)}.")
+    for name, t in (("q", q), ("keys", keys), ("values", values), ("valid", valid), ("gate", gate)):
+        _check_last_dim_contiguous(name, t)
+    _check_same_device(q=q, keys=keys, values=values, valid=valid, slot=slot, gate=gate)
+
+    y = torch.empty(B, H * D, dtype=q.dtype, device=q.device)
+    if B == 0 or L == 0:
+        return y
+    split = _decode_attention_split(L)
+    S = triton.cdiv(L, split)
+    m = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
+    BLOCK_D = triton.next_power_of_2(D)
+    with _device_guard(q):
+        _decode_attention_split_kernel[(B * KV, S)](
+            q, keys, values, valid, slot, m, l, acc,
+            q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+            values.stride(0), values.stride(1), values.stride(2), valid.stride(0), L, S, float(scale),
+            H=H, KV=KV, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // KV)), BLOCK_D=BLOCK_D, SPLIT=split,
+            BLOCK_L=_DA_BLOCK_L, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            UPCAST=q.device.type == "cpu", num_warps=4,
+        )
+        _decode_attention_merge_kernel[(B * H,)](
+            m, l, acc, gate, y, S, gate.stride(0),
+            H=H, D=D, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=BLOCK_D,
+            num_warps=_num_warps(max(2, triton.next_power_of_2(S)) * BLOCK_D),
+        )
+    return y
+
+
+def decode_attention_ref(q, keys, values, valid, slot, gate, scale):
+    """Plain-torch `decode_attention`: SDPA with the padding mask (and nothing after `slot`), then stock's gate."""
+    B, H, D = q.shape
+    KV, L = keys.shape[1], keys.shape[2]
+    mask = valid & (torch.arange(L, device=valid.device) <= slot.to(valid.device))[None, :]  # [B, L]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(B, KV, H // KV, D), keys, values, attn_mask=mask[:, None, None, :], scale=scale
+    )  # [B, KV, G, D]
+    return sigmoid_gate_mul_ref(o.reshape(B, 1, H, D), gate.view(B, 1, H * D)).view(B, H * D)

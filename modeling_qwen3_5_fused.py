@@ -75,11 +75,13 @@ from .fused_ops import (
     HAS_FLA,
     attn_prep,
     causal_conv1d_step,
+    decode_attention,
     deltanet_prep,
-    fla_chunk_gated_delta_rule,
+    gated_delta_rule_prefill,
     gated_delta_rule_step,
     gated_rms_norm,
     kernels_available,
+    prefill_rule_kernel,
     rms_norm,
     sigmoid_gate_mul,
     small_linear,
@@ -385,18 +387,8 @@ class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
             mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, b, a,
             self.num_k_heads, self.head_k_dim, self.head_v_dim,
         )
-        core, last_state = fla_chunk_gated_delta_rule(
-            query,
-            key,
-            value,
-            g=g,
-            beta=beta,
-            output_final_state=cache is not None,
-            use_qk_l2norm_in_kernel=False,
-            use_gate_in_kernel=True,
-            use_beta_sigmoid_in_kernel=False,
-            A_log=self.A_log,
-            dt_bias=self.dt_bias,
+        core, last_state = gated_delta_rule_prefill(
+            query, key, value, g, beta, self.A_log, self.dt_bias, output_final_state=cache is not None
         )
         if cache is not None:
             cache.update_recurrent_state(last_state, self.layer_idx)
@@ -449,7 +441,7 @@ _FUSED_CLASSES = {
 }
 _FUSED_KINDS = ("linear_attention", "full_attention", "mlp", "rms_norm", "decoder_layer")
 _FUSED_OPS = {
-    "linear_attention": "1 GEMM (qkv|z|b|a) + deltanet_prep (conv, SiLU, q/k L2 norm, beta) + fla chunk_gated_delta_rule (gate in kernel) + gated RMSNorm",
+    "linear_attention": "1 GEMM (qkv|z|b|a) + deltanet_prep (conv, SiLU, q/k L2 norm, beta) + fla's gated delta rule (gate in kernel; its chunked kernel, or for fp32 at torch's default 'highest' matmul precision its IEEE per-token kernel) + gated RMSNorm",
     "full_attention": "1 GEMM (q+gate|k|v) + attn_prep (split, q/k RMSNorm, partial mRoPE) + attention + sigmoid gate",
     "mlp": "1 GEMM (gate|up) + SwiGLU",
     "rms_norm": "zero-centred RMSNorm kernel",
@@ -606,15 +598,13 @@ class _DecodeState:
         """One token for the whole batch, on the static buffers: no host sync, so it can be captured.
 
         Returns the final-norm hidden state [B, 1, hidden]."""
-        B = self.batch
         self.key_valid.index_fill_(1, self.slot, True)
-        mask = self.key_valid.view(B, 1, 1, self.max_len)
         h = self.embeds  # the residual stream
         cos, sin = text_model.rotary_emb(h, self.positions)
         if self.multi_device:  # the rotary module may sit on another device than the embeddings
             cos, sin = cos.to(self.device), sin.to(self.device)
         mlp_out = None  # each layer's MLP output is added to the stream inside the next norm (one launch, not two)
-        step_inputs = {self.device: (cos, sin, mask, self.slot)}
+        step_inputs = {self.device: (cos, sin, self.key_valid, self.slot)}
         for i, layer in enumerate(text_model.layers[: text_model.config.num_hidden_layers]):
             if self.multi_device and h.device != self.layer_devices[i]:  # device_map: follow the layer
                 dev = self.layer_devices[i]
@@ -622,7 +612,7 @@ class _DecodeState:
                 mlp_out = None if mlp_out is None else mlp_out.to(dev)
                 if dev not in step_inputs:
                     step_inputs[dev] = tuple(t.to(dev) for t in step_inputs[self.device])
-            cos, sin, mask, slot = step_inputs[h.device]
+            cos, sin, valid, slot = step_inputs[h.device]
             ln = layer.input_layernorm
             if mlp_out is None:
                 x = rms_norm(h, ln.weight, ln.eps)
@@ -631,7 +621,7 @@ class _DecodeState:
             if layer.block_type == "linear_attention":
                 y = self._deltanet_step(layer.linear_attn, x, i)
             else:
-                y = self._attention_step(layer.self_attn, x, cos, sin, mask, slot, i)
+                y = self._attention_step(layer.self_attn, x, cos, sin, valid, slot, i)
             ln = layer.post_attention_layernorm
             x, h = rms_norm(y, ln.weight, ln.eps, residual=h)
             mlp_out = self._mlp_step(layer.mlp, x)
@@ -662,7 +652,7 @@ class _DecodeState:
         core = gated_rms_norm(core, z, m.norm.weight, m.norm.variance_epsilon)  # [B, value_dim]
         return _step_linear(core, m.out_proj.weight, m.out_proj.bias).view(B, 1, -1)
 
-    def _attention_step(self, m, x, cos, sin, mask, slot, i):
+    def _attention_step(self, m, x, cos, sin, valid, slot, i):
         B = self.batch
         H, KV, D = m.config.num_attention_heads, m.config.num_key_value_heads, m.head_dim
         w, bias = m._packed_weight()
@@ -671,10 +661,9 @@ class _DecodeState:
         keys, values = self.keys[i], self.values[i]
         keys.index_copy_(2, slot, k)
         values.index_copy_(2, slot, v)
-        # The H query heads of one token, grouped by their KV head ([B, KV, H/KV, D]), attend over the whole
-        # preallocated length; the mask keeps the keys written so far that are not padding.
-        o = F.scaled_dot_product_attention(q.reshape(B, KV, H // KV, D), keys, values, attn_mask=mask, scale=m.scaling)
-        o = sigmoid_gate_mul(o.reshape(B, 1, H, D), gate).view(B, -1)
+        # The H query heads of one token attend over the keys written so far (0..slot) that are not padding
+        # (`valid`, [B, L]), then the output gate: two launches.
+        o = decode_attention(q.reshape(B, H, D), keys, values, valid, slot, gate.view(B, H * D), m.scaling)
         return _step_linear(o, m.o_proj.weight, m.o_proj.bias).view(B, 1, -1)
 
     @staticmethod
@@ -1691,8 +1680,8 @@ class _FusedPreTrainedMixin:
             "path": "fused" if reason is None else "stock",
             "ops": (
                 "one step per token on preallocated conv / recurrent / K-V buffers: causal_conv1d_step + "
-                "gated_delta_rule_step (state in place), attn_prep + K/V written in place + SDPA + sigmoid gate, "
-                "fused norms; each linear (gate|up with SwiGLU in its epilogue) by cuBLAS or our GEMV, whichever "
+                "gated_delta_rule_step (state in place), attn_prep + K/V written in place + decode_attention (split "
+                "keys, merged with the sigmoid gate), fused norms; each linear (gate|up with SwiGLU in its epilogue) by cuBLAS or our GEMV, whichever "
                 "was timed faster for its shape" if reason is None else "stock transformers decode"
             ),
             "cuda_graphs": bool(graphs and reason is None and device.type == "cuda"),
@@ -1712,6 +1701,7 @@ class _FusedPreTrainedMixin:
             "reason": reason,
         }
         if reason is None:
+            kinds["linear_attention"]["prefill_rule_kernel"] = prefill_rule_kernel(text_model.embed_tokens.weight.dtype)
             kinds["linear_attention"]["falls_back"] = "decode steps outside generate()'s fused cache (stock cache)"
         forward_graphs = {
             "used": bool(graphs and reason is None and device.type == "cuda"),

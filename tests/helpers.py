@@ -93,6 +93,24 @@ def stock_and_fused_lm(seed=0, fused_kernels=True, dtype=torch.float32, **overri
     return stock, fused
 
 
+def ieee_stock(model):
+    """`model`, a stock Qwen3.5, made to run stock's own torch DeltaNet code (the fp32 reference of the CUDA tests).
+
+    With fla installed, stock transformers runs fla's chunked delta rule, whose dots are TF32 even on fp32 inputs:
+    8.7e-4 (relative logit error) from stock's torch rule on a 4-layer random model (H200, 2026-11-30), 40x the fp32
+    bound. The fused path keeps fp32 IEEE (`fused_ops.prefill_rule_kernel`), so fp32 is compared with the IEEE stock
+    code; bf16 / fp16 are compared with stock as it runs (through fla). Returns `model`.
+    """
+    forward = model.forward
+
+    def ieee_forward(*args, **kwargs):
+        with modeling._torch_reference_kernels():
+            return forward(*args, **kwargs)
+
+    model.forward = ieee_forward
+    return model
+
+
 def storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -176,32 +194,14 @@ def offline_env(cache_dir, modules_dir) -> dict:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _chunk_rule_torch(q, k, v, g, beta, output_final_state=False, use_qk_l2norm_in_kernel=False,
-                      use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False, A_log=None, dt_bias=None, **_):
-    """fla `chunk_gated_delta_rule` (gate, and optionally beta sigmoid and q / k L2 norm, in the kernel), computed by
-    stock's torch chunked rule."""
-    import inspect
-
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as stock
-
-    assert use_gate_in_kernel, "the fused path hands fla the raw gate input a"
-    gate = -A_log.float().exp() * torch.nn.functional.softplus(g.float() + dt_bias)
-    beta = beta.sigmoid() if use_beta_sigmoid_in_kernel else beta
-    group = v.shape[2] // q.shape[2]  # grouped value heads: key head h serves value heads [h * group, (h+1) * group)
-    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
-    fn = inspect.unwrap(stock.torch_chunk_gated_delta_rule)
-    return fn(q, k, v, g=gate, beta=beta, initial_state=None, output_final_state=output_final_state,
-              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-
-
 def emulate_fused_on_cpu(monkeypatch):
     """Let the fused path run on CPU tensors with torch references for every kernel (build models after this)."""
     monkeypatch.setattr(modeling, "_FUSED_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(modeling, "kernels_available", lambda: None)
     for name in ("rms_norm", "attn_prep", "sigmoid_gate_mul", "swiglu", "small_linear", "causal_conv1d_step",
-                 "gated_delta_rule_step", "deltanet_prep", "gated_rms_norm"):
+                 "gated_delta_rule_step", "deltanet_prep", "gated_rms_norm", "gated_delta_rule_prefill",
+                 "decode_attention"):
         monkeypatch.setattr(modeling, name, getattr(fused_ops, f"{name}_ref"))
-    monkeypatch.setattr(modeling, "fla_chunk_gated_delta_rule", _chunk_rule_torch)
 
 
 def new_weights(model, seed=5):

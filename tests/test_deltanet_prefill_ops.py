@@ -242,3 +242,75 @@ def test_deltanet_prep_cuda(dtype, T, HV):
 @pytest.mark.parametrize("HV", [16, 32, 48])
 def test_gated_rms_norm_cuda(dtype, T, HV):
     check_gated_norm("cuda", dtype, 1 if T == 2048 else 3, T, HV, 128)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The rule over a prompt: fla's chunked kernel, or its IEEE per-token kernel for fp32 (`prefill_rule_kernel`)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def rule_inputs(device, dtype, B, T, H, K, HV, V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=g), dim=-1)
+    v = torch.randn(B, T, HV, V, generator=g)
+    a = torch.randn(B, T, HV, generator=g)
+    beta = torch.rand(B, T, HV, generator=g)
+    A_log, dt_bias = torch.randn(HV, generator=g) * 0.5, torch.randn(HV, generator=g)
+    cast = dict(device=device, dtype=dtype)
+    return (q.to(**cast), k.to(**cast), v.to(**cast), a.to(**cast), beta.to(device), A_log.to(device),
+            dt_bias.to(device))
+
+
+@pytest.fixture
+def matmul_precision():
+    saved = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(saved)
+
+
+def test_prefill_rule_kernel_follows_fp32_matmul_precision(matmul_precision):
+    assert fused_ops.prefill_rule_kernel(torch.float32) == "fused_recurrent"  # torch's default: "highest"
+    assert fused_ops.prefill_rule_kernel(torch.bfloat16) == "chunk"
+    assert fused_ops.prefill_rule_kernel(torch.float16) == "chunk"
+    matmul_precision("high")  # the user allowed TF32 for fp32 matmuls
+    assert fused_ops.prefill_rule_kernel(torch.float32) == "chunk"
+
+
+def test_prefill_rule_ref_matches_stock_recurrent_rule_cpu():
+    """The reference (stock's torch chunked rule on repeated key heads) against stock's per-token torch rule, written
+    out here with the gate and grouping of the fused path: checks the gate formula and the head grouping."""
+    q, k, v, a, beta, A_log, dt_bias = rule_inputs("cpu", torch.float32, 2, 37, 2, 8, 6, 4)
+    o, state = fused_ops.gated_delta_rule_prefill_ref(q, k, v, a, beta, A_log, dt_bias, output_final_state=True)
+    gate = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+    rule = inspect.unwrap(modeling_qwen3_5.torch_recurrent_gated_delta_rule)
+    want_o, want_state = rule(q.repeat_interleave(3, dim=2), k.repeat_interleave(3, dim=2), v, g=gate, beta=beta,
+                              initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=False)
+    assert o.shape == (2, 37, 6, 4) and state.shape == (2, 6, 8, 4)
+    assert_close("o", o, want_o, 1e-5)
+    assert_close("state", state, want_state, 1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T", [1, 7, 129, 2048])
+@pytest.mark.parametrize("HV", [16, 32, 48])
+def test_gated_delta_rule_prefill_cuda(dtype, T, HV):
+    """fp32 (per-token kernel) <= 2e-5 from the torch reference; bf16 / fp16 (chunked kernel) within their bounds."""
+    inputs = rule_inputs("cuda", dtype, 1 if T == 2048 else 2, T, 16, 128, HV, 128)
+    o, state = fused_ops.gated_delta_rule_prefill(*inputs, output_final_state=True)
+    ref = fused_ops.gated_delta_rule_prefill_ref(*[t.float() for t in inputs], output_final_state=True)
+    bound = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype]
+    assert o.dtype == dtype and state.dtype == torch.float32
+    assert_close("o", o.float(), ref[0], bound)
+    assert_close("state", state, ref[1], bound)
+
+
+@pytest.mark.cuda
+def test_gated_delta_rule_prefill_tf32_allowed_uses_chunk_cuda(matmul_precision):
+    """With TF32 allowed, fp32 takes the chunked kernel: within TF32's reach of the reference, not fp32's."""
+    matmul_precision("high")
+    inputs = rule_inputs("cuda", torch.float32, 1, 129, 16, 128, 32, 128)
+    o, _ = fused_ops.gated_delta_rule_prefill(*inputs)
+    ref, _ = fused_ops.gated_delta_rule_prefill_ref(*inputs)
+    assert_close("o", o, ref, 1e-2)

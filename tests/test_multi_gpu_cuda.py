@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from helpers import modeling, rel_err, stock_and_fused_lm
+from helpers import ieee_stock, modeling, rel_err, stock_and_fused_lm
 
 pytestmark = [
     pytest.mark.cuda,
@@ -38,7 +38,7 @@ def models(tmp_path_factory):
         path, device_map=_device_map(), dtype=torch.float32, fused_kernels=True
     ).eval()
     single = modeling.Qwen3_5FusedForCausalLM.from_pretrained(path, dtype=torch.float32, fused_kernels=True)
-    return stock.cuda().eval(), split, single.cuda().eval()
+    return ieee_stock(stock.cuda().eval()), split, single.cuda().eval()
 
 
 def test_layers_sit_on_both_gpus_and_run_fused(models):
@@ -118,7 +118,7 @@ def test_device_map_auto_splits_at_whole_layers(tmp_path):
     assert {str(d) for d in auto.hf_device_map.values()} == {"0", "1"}
     assert not [k for k in auto.hf_device_map if ".layers." in k and k.split(".layers.")[1].count(".")]
     assert all(v["path"] == "fused" for v in auto.describe()["layers"].values())
-    stock = stock.cuda().eval()
+    stock = ieee_stock(stock.cuda().eval())
     ids = torch.randint(3, 250, (2, 17), device="cuda:0")
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24, do_sample=False,
               pad_token_id=0)

@@ -4,6 +4,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from scripts import benchmark_latency, eval_quality, generate
@@ -94,3 +95,21 @@ def test_benchmark_gpu_device_map_splits_layers_evenly():
     assert device_map["lm_head"] == 0  # tied to the embeddings: kept with them
     every = {f"model.{name}" for name, _ in stock.model.named_children() if name != "layers"} | {"lm_head"}
     assert every <= set(device_map)  # accelerate needs every module placed
+
+
+def test_benchmark_gemv_shapes_and_cpu_refusal():
+    """The decode linears of the 4B shape as the fused step on the H200 recorded them (describe()['decode']
+    ['linears'], 2026-11-30: 12352x2560, 2560x4096, 18432x2560 gate|up, 2560x9216, 10240x2560), and a clear refusal
+    without a GPU."""
+    from scripts import benchmark_gemv
+
+    shapes = benchmark_gemv.decode_linears("4B")
+    assert shapes["deltanet_in"] == (12352, 2560, False)
+    assert shapes["deltanet_out"] == shapes["attn_out"] == (2560, 4096, False)
+    assert shapes["gate_up"] == (18432, 2560, True)
+    assert shapes["down"] == (2560, 9216, False)
+    assert shapes["attn_in"] == (10240, 2560, False)
+    assert shapes["lm_head"] == (248320, 2560, False)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            benchmark_gemv.main(["--shapes", "0.8B"])

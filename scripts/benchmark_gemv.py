@@ -1,0 +1,125 @@
+"""The decode step's linears, one by one: cuBLAS against each `fused_ops.gemv` config, timed as the step meets them,
+and what `fused_ops.small_linear` picks for each shape in this process.
+
+    python scripts/benchmark_gemv.py --shapes 0.8B,4B,9B --rows 1,8 --out out/gemv
+
+Each candidate is captured in a CUDA graph that calls it on several copies of the weight in turn (together over
+400 MB, so every call reads its weight from HBM, not L2, as one decode step reads each weight once), and the graph
+is replayed 7 times: the median time per call includes the gap between launches inside a graph, as in the step.
+Prints, per shape and row count, every candidate's microseconds and the bandwidth of the best against the copy
+floor (bytes / 4.2 TB/s, the H200's measured copy rate), and `small_linear`'s choice, so a mismatch between the
+choice and the graph-timed best shows. Writes `gemv.json` to --out. Needs a CUDA GPU.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.common import import_repo, real_text_kwargs  # noqa: E402
+
+COPY_TB_S = 4.2  # the H200's device copy rate measured by benchmark_latency.py (4.17-4.22 TB/s in its runs)
+# The configs of fused_ops._GEMV_CONFIGS plus the others of the first sweep, so a sweep can show a better one.
+EXTRA_CONFIGS = ((4, 1024, 4), (16, 256, 8), (4, 2048, 8), (8, 1024, 8))
+
+
+def decode_linears(size: str) -> dict:
+    """name -> (N, K, gate_up) of each distinct linear in a decode step of the real `size` shape."""
+    c = real_text_kwargs(size)
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+    value_dim = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    heads, kv_heads, head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    return {
+        "deltanet_in": (2 * key_dim + 2 * value_dim + 2 * c["linear_num_value_heads"], hidden, False),
+        "deltanet_out": (hidden, value_dim, False),
+        "attn_in": (2 * heads * head_dim + 2 * kv_heads * head_dim, hidden, False),
+        "attn_out": (hidden, heads * head_dim, False),
+        "gate_up": (2 * inter, hidden, True),
+        "down": (hidden, inter, False),
+        "lm_head": (c["vocab_size"], hidden, False),
+    }
+
+
+def time_in_graph(call, weights, replays: int = 7) -> float:
+    """Median microseconds per call of `call(w)` over `weights`, captured twice over in one CUDA graph."""
+    for w in weights:  # compile / autotune outside the capture
+        call(w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(2):
+            for w in weights:
+                call(w)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (2 * len(weights)))
+    return sorted(times)[len(times) // 2]
+
+
+def sweep(fused_ops, sizes, rows, dtype) -> dict:
+    configs = tuple(dict.fromkeys(fused_ops._GEMV_CONFIGS + EXTRA_CONFIGS))
+    results = {}
+    for size in sizes:
+        for name, (N, K, gate_up) in decode_linears(size).items():
+            nbytes = N * K * torch.finfo(dtype).bits // 8
+            copies = max(2, min(16, int(400e6 // nbytes) + 1))
+            weights = [torch.randn(N, K, device="cuda", dtype=dtype) / K**0.5 for _ in range(copies)]
+            for M in rows:
+                x = torch.randn(M, K, device="cuda", dtype=dtype)
+                row = {"cublas": time_in_graph(lambda w: fused_ops._run_small_linear(x, w, gate_up, "cublas"), weights)}
+                for config in configs:
+                    if M > fused_ops._GEMV_MAX_M:
+                        break
+                    row[str(config)] = time_in_graph(lambda w, c=config: fused_ops.gemv(x, w, gate_up, c), weights)
+                fused_ops._small_linear_choice.clear()
+                fused_ops.small_linear(x, weights[0], gate_up)
+                (choice,) = fused_ops._small_linear_choice.values()
+                best = min(row, key=row.get)
+                entry = {"N": N, "K": K, "gate_up": gate_up, "M": M, "mb": nbytes / 1e6,
+                         "floor_us": nbytes / (COPY_TB_S * 1e6), "us": row, "best": best,
+                         "best_tb_s": nbytes / row[best] / 1e6, "small_linear_choice": str(choice),
+                         "choice_us": row.get(str(choice))}
+                results[f"{size}/{name}/M{M}"] = entry
+                print(f"{size:>4} {name:<12} {N:>6}x{K:<6} M={M:<2} floor {entry['floor_us']:7.1f} us | cuBLAS "
+                      f"{row['cublas']:7.1f} | best {best} {row[best]:7.1f} us ({entry['best_tb_s']:.2f} TB/s) | "
+                      f"small_linear picks {choice} ({entry['choice_us'] or float('nan'):.1f} us)", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="0.8B,4B,9B")
+    p.add_argument("--rows", default="1,8", help="comma list of decode batch sizes (rows of x)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--out", default="out/gemv")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark_gemv.py times CUDA kernels inside CUDA graphs: it needs a CUDA GPU.")
+    _, _, fused_ops = import_repo()
+    if fused_ops.kernels_available() is not None:
+        raise SystemExit(f"the fused kernels cannot run here: {fused_ops.kernels_available()}.")
+    results = sweep(fused_ops, args.shapes.split(","), [int(r) for r in args.rows.split(",")],
+                    getattr(torch, args.dtype))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python scripts/benchmark_gemv.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    (out / "gemv.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Tests of `fused_ops.decode_attention` (the decode step's gated attention over the preallocated K/V cache) against
+its `_ref`: stock's SDPA with the padding mask, then stock's `o * sigmoid(gate)`.
+
+CPU tests run the kernels under the Triton interpreter (`TRITON_INTERPRET=1`, set in conftest.py) at tiny shapes;
+`@pytest.mark.cuda` tests run the real Qwen3.5 attention shapes (head dim 256; 8 / 2, 16 / 4 and 24 / 4 query / KV
+heads) at cache lengths 1 to 2048: `python -m pytest tests/test_decode_attention.py -m cuda`.
+
+Error bounds (relative), and why:
+- fp32 <= 1e-5: IEEE dots; another summation order than SDPA (online softmax over splits). Measured on CPU: 3e-7.
+- bf16 <= 1e-2, fp16 <= 2e-3: the probabilities are rounded to the cache dtype before the second dot (as flash
+  kernels do) and the output is rounded before the gate; a few units in the last place. Measured on CPU: 2.8e-3 /
+  4.3e-4 against CPU SDPA.
+"""
+
+import os
+
+import pytest
+import torch
+
+import fused_ops
+from helpers import assert_close, compile_for_sm90
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _set_up():
+    if not fused_ops.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def inputs(device, dtype, B, H, KV, D, L, slot, seed=0, pad=True):
+    """Cache of L keys with keys 0..slot written; some rows left-padded; `valid` also marks a few stale positions
+    after `slot` (from an earlier, longer request), which must not be read."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, D, generator=g)
+    keys, values = torch.randn(B, KV, L, D, generator=g), torch.randn(B, KV, L, D, generator=g)
+    valid = torch.ones(B, L, dtype=torch.bool)
+    if pad:
+        for b in range(B):
+            valid[b, : min(slot, 3 * b)] = False  # row b: 3b padding positions on the left
+    valid[:, slot + 1 :] = torch.rand(B, L - slot - 1, generator=g) > 0.5
+    keys[:, :, slot + 1 :] = values[:, :, slot + 1 :] = 1e4  # stale entries: any read of them shows
+    gate = torch.randn(B, H * D, generator=g)
+    cast = dict(device=device, dtype=dtype)
+    return (q.to(**cast), keys.to(**cast), values.to(**cast), valid.to(device), torch.tensor([slot], device=device),
+            gate.to(**cast), D**-0.5)
+
+
+def check(device, dtype, B, H, KV, D, L, slot, pad=True):
+    args = inputs(device, dtype, B, H, KV, D, L, slot, pad=pad)
+    got = fused_ops.decode_attention(*args)
+    want = fused_ops.decode_attention_ref(*args)
+    assert_close("y", got, want, BOUND[dtype])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    "B, H, KV, D, L, slot",
+    [(1, 4, 1, 16, 1, 0), (2, 4, 2, 16, 7, 6), (3, 6, 3, 24, 130, 100), (2, 8, 2, 16, 300, 299), (1, 4, 4, 16, 2100, 2000)],
+    ids=["L1", "L7", "odd-D-3splits", "5splits", "long-merged-splits"],
+)
+def test_decode_attention_cpu(dtype, B, H, KV, D, L, slot):
+    check("cpu", dtype, B, H, KV, D, L, slot)
+
+
+@needs_interpreter
+def test_decode_attention_ignores_keys_after_slot_cpu():
+    """Keys after `slot` are never read, even where `valid` still marks them (a longer earlier request)."""
+    q, keys, values, valid, slot, gate, scale = inputs("cpu", torch.float32, 2, 4, 2, 16, 96, 40)
+    valid[:, 41:] = True
+    got = fused_ops.decode_attention(q, keys, values, valid, slot, gate, scale)
+    short = fused_ops.decode_attention_ref(q, keys[:, :, :41], values[:, :, :41], valid[:, :41], slot, gate, scale)
+    assert_close("y", got, short, BOUND[torch.float32])
+
+
+@needs_interpreter
+def test_decode_attention_strided_q_and_gate_cpu():
+    """q and gate as the decode step hands them over: views into attn_prep's outputs (row strides wider)."""
+    q, keys, values, valid, slot, gate, scale = inputs("cpu", torch.bfloat16, 3, 8, 2, 16, 33, 20)
+    q_wide = torch.randn(3, 8, 40, dtype=torch.bfloat16)[..., 4:20]
+    q_wide.copy_(q)
+    gate_wide = torch.randn(3, 8 * 16 + 64, dtype=torch.bfloat16)[:, 32 : 32 + 8 * 16]
+    gate_wide.copy_(gate)
+    got = fused_ops.decode_attention(q_wide, keys, values, valid, slot, gate_wide, scale)
+    assert_close("y", got, fused_ops.decode_attention_ref(q, keys, values, valid, slot, gate, scale),
+                 BOUND[torch.bfloat16])
+
+
+BAD_INPUTS = {
+    "kv-heads": (dict(keys=(2, 3, 8, 16)), "multiple of KV"),
+    "dtype": (dict(dtype_kv=torch.float16), "one dtype"),
+    "valid-shape": (dict(valid=(2, 9)), "valid must be"),
+    "slot-dtype": (dict(slot_dtype=torch.int32), "slot must be"),
+    "gate-shape": (dict(gate=(2, 63)), "gate must be"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_decode_attention_rejects_bad_inputs(case):
+    change, match = BAD_INPUTS[case]
+    kv = change.get("keys", (2, 2, 8, 16))
+    q = torch.zeros(2, 4, 16)
+    keys = torch.zeros(kv, dtype=change.get("dtype_kv", torch.float32))
+    valid = torch.ones(change.get("valid", (2, 8)), dtype=torch.bool)
+    slot = torch.zeros(1, dtype=change.get("slot_dtype", torch.long))
+    gate = torch.zeros(change.get("gate", (2, 64)))
+    with pytest.raises(ValueError, match=match):
+        fused_ops.decode_attention(q, keys, keys, valid, slot, gate, 0.25)
+
+
+_SM90_CALLS = r"""
+for dt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
+    compile_(fused_ops._decode_attention_split_kernel,
+             dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", valid_ptr="*i1", slot_ptr="*i64", m_ptr="*fp32",
+                  l_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
+             dict(H=16, KV=4, D=256, BLOCK_G=16, BLOCK_D=256, SPLIT=64, BLOCK_L=32, DOT_PRECISION=prec, UPCAST=False), 4)
+    compile_(fused_ops._decode_attention_merge_kernel,
+             dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", gate_ptr=f"*{dt}", y_ptr=f"*{dt}"),
+             dict(H=16, D=256, BLOCK_S=32, BLOCK_D=256), 16)
+"""
+
+
+def test_decode_attention_compiles_for_sm90():
+    assert compile_for_sm90(_SM90_CALLS) == 4
+
+
+def test_split_sizes():
+    assert fused_ops._decode_attention_split(1) == 64
+    assert fused_ops._decode_attention_split(2048) == 64  # 32 splits
+    assert fused_ops._decode_attention_split(2049) == 128
+    assert fused_ops._decode_attention_split(32768) == 1024
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CUDA: real Qwen3.5 attention shapes (head dim 256)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("H, KV", [(8, 2), (16, 4), (24, 4)], ids=["0.8B", "4B-9B", "27B"])
+@pytest.mark.parametrize("L, slot", [(1, 0), (8, 6), (256, 128), (2048, 2047), (4096, 3000)],
+                         ids=["L1", "L8", "L256", "L2048", "L4096"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_decode_attention_cuda(dtype, H, KV, L, slot, B):
+    check("cuda", dtype, B, H, KV, 256, L, slot)
+
+
+@pytest.mark.cuda
+def test_decode_attention_replays_in_graph_cuda():
+    """Captured once, replayed as slot advances (read on the GPU), each replay matches the reference."""
+    q, keys, values, valid, slot, gate, scale = inputs("cuda", torch.bfloat16, 2, 16, 4, 256, 512, 10, pad=False)
+    valid[:, 11:] = False
+    fused_ops.decode_attention(q, keys, values, valid, slot, gate, scale)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_ops.decode_attention(q, keys, values, valid, slot, gate, scale)
+    for _ in range(3):
+        slot += 37
+        valid[:, : int(slot) + 1] = True
+        keys[:, :, : int(slot) + 1].normal_()
+        graph.replay()
+        assert_close("y", out, fused_ops.decode_attention_ref(q, keys, values, valid, slot, gate, scale), 1e-2)
