@@ -14,6 +14,14 @@ configuration, modeling, fused_ops = import_repo()
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The dtypes every kernel test runs, with their test ids; CPU kernel tests need the Triton interpreter.
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
+)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (the one error measure of the suite)."""
     a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()

@@ -12,21 +12,14 @@ Error bounds (relative), and why:
   4.3e-4 against CPU SDPA.
 """
 
-import os
 
 import pytest
 import torch
 
 import fused_ops
-from helpers import assert_close, compile_for_sm90
+from helpers import DTYPE_IDS, DTYPES, assert_close, compile_for_sm90, needs_interpreter
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = ["fp32", "bf16", "fp16"]
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-needs_interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
-)
 
 
 @pytest.fixture(autouse=True)

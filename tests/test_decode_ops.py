@@ -30,29 +30,22 @@ Error bounds (relative, `rel_err` below), and why:
 """
 
 import inspect
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fused_ops
-from helpers import compile_for_sm90
+from helpers import DTYPE_IDS, DTYPES, compile_for_sm90, needs_interpreter
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 STOCK_CONV_UPDATE = inspect.unwrap(modeling_qwen3_5.causal_conv1d_update)
 STOCK_RECURRENT_GDR = inspect.unwrap(modeling_qwen3_5.torch_recurrent_gated_delta_rule)
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = ["fp32", "bf16", "fp16"]
 BOUND = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 STEPS = 5
 # columns of padding on each side of the strided input slices
 PAD = 8
-
-needs_interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
-)
 
 
 @pytest.fixture(autouse=True)

@@ -20,27 +20,20 @@ Error bounds (relative), and why:
 """
 
 import inspect
-import os
 
 import pytest
 import torch
 
 import fused_ops
-from helpers import assert_close, compile_for_sm90
+from helpers import DTYPE_IDS, DTYPES, assert_close, compile_for_sm90, needs_interpreter
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
 STOCK_CONV = inspect.unwrap(modeling_qwen3_5.causal_conv1d_fn)
 STOCK_L2NORM = modeling_qwen3_5.l2norm
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = ["fp32", "bf16", "fp16"]
 BOUND = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 PAD = 8  # extra columns around the packed projection's slices
-
-needs_interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
-)
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import fused_ops
+from helpers import DTYPE_IDS, DTYPES
 from transformers import AttentionInterface
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
@@ -33,8 +34,6 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = ["fp32", "bf16", "fp16"]
 BOUND = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 EPS = 1e-6
 
