@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from helpers import (
     composite_kwargs,
     configuration,
+    emulate_fused_on_cpu,
     fused_ops,
     generate_stock,
     modeling,
@@ -248,6 +249,24 @@ def test_describe_reports_paths():
     assert all(v["path"] == "stock" and v["reason"] for v in d["layers"].values())  # CPU
     _, off = stock_and_fused_lm(fused_kernels=False)
     assert all(v["reason"] == "fused_kernels is off" for v in off.describe()["layers"].values())
+
+
+def test_describe_names_the_prefill_rule_kernel(monkeypatch):
+    """fp32 at torch's default matmul precision runs fla's IEEE per-token rule, fp32 with TF32 allowed and 16-bit
+    dtypes the chunked one, and describe() says which."""
+    emulate_fused_on_cpu(monkeypatch)
+    _, fused = stock_and_fused_lm()
+    saved = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert fused.describe()["layers"]["linear_attention"]["prefill_rule_kernel"] == "fused_recurrent"
+        torch.set_float32_matmul_precision("high")
+        assert fused.describe()["layers"]["linear_attention"]["prefill_rule_kernel"] == "chunk"
+        torch.set_float32_matmul_precision("highest")
+        fused.to(torch.bfloat16)
+        assert fused.describe()["layers"]["linear_attention"]["prefill_rule_kernel"] == "chunk"
+    finally:
+        torch.set_float32_matmul_precision(saved)
 
 
 def test_set_fused_kernels_toggles_and_validates():
