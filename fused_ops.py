@@ -27,6 +27,7 @@ the input dtype exactly where stock rounds):
 """
 
 import contextlib
+import inspect
 import logging
 
 import torch
@@ -1598,8 +1599,6 @@ def gated_delta_rule_prefill_ref(q, k, v, a, beta, A_log, dt_bias, output_final_
     """Plain-torch `gated_delta_rule_prefill`: stock's torch chunked rule on key heads repeated for their value heads
     (what stock runs without fla). fp32 math inside; o in q's dtype, as fla returns it."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as stock  # lazy: only the references need transformers
-
-    import inspect
 
     gate = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
     group = v.shape[2] // q.shape[2]

@@ -348,8 +348,9 @@ class FusedAttention(_FusedModule, Qwen3_5Attention):
 
 class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
     """Gated DeltaNet: one GEMM for ``in_proj_qkv | in_proj_z | in_proj_b | in_proj_a`` → ``deltanet_prep`` (causal
-    conv + SiLU, q/k L2 norm, beta sigmoid, one launch) → fla's chunked gated delta rule (gate from ``A_log`` /
-    ``dt_bias`` and grouped value heads inside the kernel) → ``gated_rms_norm`` (z read in place) → ``out_proj``.
+    conv + SiLU, q/k L2 norm, beta sigmoid, one launch) → fla's gated delta rule (``gated_delta_rule_prefill``: gate
+    from ``A_log`` / ``dt_bias`` and grouped value heads inside the kernel; chunked, or per-token for IEEE fp32) →
+    ``gated_rms_norm`` (z read in place) → ``out_proj``.
 
     Covers forwards without a cache and the prefill that fills an empty cache. A call that continues from a stock
     cache's state (decode outside the fused generate path, chunked prefill) runs the stock code; decode on a
@@ -1681,8 +1682,9 @@ class _FusedPreTrainedMixin:
             "ops": (
                 "one step per token on preallocated conv / recurrent / K-V buffers: causal_conv1d_step + "
                 "gated_delta_rule_step (state in place), attn_prep + K/V written in place + decode_attention (split "
-                "keys, merged with the sigmoid gate), fused norms; each linear (gate|up with SwiGLU in its epilogue) by cuBLAS or our GEMV, whichever "
-                "was timed faster for its shape" if reason is None else "stock transformers decode"
+                "keys, merged with the sigmoid gate), fused norms; each linear (gate|up with SwiGLU in its epilogue) "
+                "by cuBLAS or our GEMV, whichever was timed faster for its shape"
+                if reason is None else "stock transformers decode"
             ),
             "cuda_graphs": bool(graphs and reason is None and device.type == "cuda"),
             "falls_back": "beam search, assisted / contrastive decoding, a cache passed in, cache_implementation, "
