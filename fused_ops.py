@@ -333,6 +333,7 @@ if HAS_TRITON:
         k_ptr,
         v_ptr,
         g_ptr,
+        slot_ptr,
         T,
         stride_qkv_b,
         stride_qkv_t,
@@ -340,6 +341,9 @@ if HAS_TRITON:
         stride_cos_t,
         stride_sin_b,
         stride_sin_t,
+        stride_kv_b,
+        stride_kv_t,
+        stride_kv_h,
         eps,
         H: tl.constexpr,
         KV: tl.constexpr,
@@ -348,6 +352,7 @@ if HAS_TRITON:
         N_QB: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        AT_SLOT: tl.constexpr,
     ):
         # program (token, head block): blocks [0, N_QB) hold query heads (+ their gates), the rest key heads (+ v)
         i_bt = tl.program_id(0).to(tl.int64)
@@ -372,11 +377,13 @@ if HAS_TRITON:
             o_h = (i_g - N_QB) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] key / value heads
             m_h = o_h < KV
             p_x = p_row + H * 2 * D + o_h[:, None] * D  # [BH, 1]
-            p_o = k_ptr + i_bt * (KV * D) + o_h[:, None] * D
-            _qk_norm_rope_tile(p_x, p_o, kw_ptr, p_cos, p_sin, m_h, eps, D, R, BLOCK_D)
+            # k / v rows: [B, T, KV, D] buffers, or (AT_SLOT, T = 1) position `slot` of [B, KV, L, D] caches
+            i_t_kv = tl.load(slot_ptr) if AT_SLOT else i_t
+            off = i_b * stride_kv_b + i_t_kv * stride_kv_t + o_h[:, None] * stride_kv_h  # [BH, 1]
+            _qk_norm_rope_tile(p_x, k_ptr + off, kw_ptr, p_cos, p_sin, m_h, eps, D, R, BLOCK_D)
             m = m_h[:, None] & (o_d < D)[None, :]
             b_v = tl.load(p_x + KV * D + o_d[None, :], mask=m)
-            tl.store(v_ptr + i_bt * (KV * D) + o_h[:, None] * D + o_d[None, :], b_v, mask=m)
+            tl.store(v_ptr + off + o_d[None, :], b_v, mask=m)
 
 
 def attn_prep(
@@ -389,7 +396,8 @@ def attn_prep(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Split the fused q|gate, k, v projection, RMSNorm q and k per head, rotate them, and keep the gate: one launch.
 
     Math per token and head (fp32 inside, rounded to the input dtype after each step exactly where stock rounds):
@@ -405,11 +413,14 @@ def attn_prep(
         q_weight, k_weight: [D] contiguous, any float dtype: `q_norm.weight`, `k_norm.weight` (zero-centred).
         eps: `config.rms_norm_eps`.
         num_heads, num_kv_heads, head_dim: H, KV, D.
+        kv_cache: optional `(keys, values, slot)` for a decode step (T = 1): caches [B, KV, L, D] in qkv's dtype,
+            last dim contiguous, and slot [1] int64 on the device; k and v are written at position `slot` of the
+            caches (read on the GPU: capturable) instead of into new buffers.
 
     Returns:
         `(q, k, v, gate)`: q [B, H, T, D], k and v [B, KV, T, D], each a `.transpose(1, 2)` view of a contiguous
         [B, T, heads, D] buffer (the layout stock hands to the attention function); gate [B, T, H*D] contiguous.
-        v and gate are exact copies.
+        v and gate are exact copies. With `kv_cache`, k and v are None (they are in the caches).
 
     Replaces the chain in stock `Qwen3_5Attention.forward` from `torch.chunk(q_proj(...))` through `q_norm`,
     `k_norm`, the v view and `apply_rotary_pos_emb`. Rounding: stock's exactly (each product and sum of the
@@ -446,10 +457,28 @@ def attn_prep(
     for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin)):
         _check_last_dim_contiguous(name, t)
     _check_same_device(qkv=qkv, cos=cos, sin=sin, q_weight=q_weight, k_weight=k_weight)
+    if kv_cache is not None:
+        k, v, slot = kv_cache
+        if T != 1:
+            raise ValueError(f"kv_cache (a decode step's in-place K/V write) needs T = 1, got qkv {tuple(qkv.shape)}.")
+        if k.dim() != 4 or k.shape[:2] != (B, KV) or k.shape[3] != D or v.shape != k.shape:
+            raise ValueError(f"kv_cache keys / values must be [B, KV, L, D] = [{B}, {KV}, L, {D}], got "
+                             f"{tuple(k.shape)} / {tuple(v.shape)}.")
+        if k.dtype != qkv.dtype or v.dtype != qkv.dtype or k.stride() != v.stride():
+            raise ValueError(f"kv_cache keys / values must have qkv's dtype {qkv.dtype} and one layout, got "
+                             f"{k.dtype} / {v.dtype}, strides {k.stride()} / {v.stride()}.")
+        if slot.numel() != 1 or slot.dtype != torch.long:
+            raise ValueError(f"kv_cache slot must be a one-element int64 tensor, got {tuple(slot.shape)} {slot.dtype}.")
+        _check_last_dim_contiguous("kv_cache keys", k)
+        _check_same_device(qkv=qkv, keys=k, values=v, slot=slot)
+        stride_kv = (k.stride(0), k.stride(2), k.stride(1))  # (row, position, head)
+    else:
+        k = torch.empty(B, T, KV, D, dtype=qkv.dtype, device=qkv.device)  # [B, T, KV, D]
+        v = torch.empty(B, T, KV, D, dtype=qkv.dtype, device=qkv.device)  # [B, T, KV, D]
+        slot = k
+        stride_kv = (T * KV * D, KV * D, D)
 
     q = torch.empty(B, T, H, D, dtype=qkv.dtype, device=qkv.device)  # [B, T, H, D]
-    k = torch.empty(B, T, KV, D, dtype=qkv.dtype, device=qkv.device)  # [B, T, KV, D]
-    v = torch.empty(B, T, KV, D, dtype=qkv.dtype, device=qkv.device)  # [B, T, KV, D]
     gate = torch.empty(B, T, H * D, dtype=qkv.dtype, device=qkv.device)  # [B, T, H*D]
     n_rows = B * T
     if n_rows > 0:
@@ -469,6 +498,7 @@ def attn_prep(
                 k,
                 v,
                 gate,
+                slot,
                 T,
                 qkv.stride(0),
                 qkv.stride(1),
@@ -476,6 +506,7 @@ def attn_prep(
                 cos.stride(1),
                 _batch_stride(sin),
                 sin.stride(1),
+                *stride_kv,
                 eps,
                 H=H,
                 KV=KV,
@@ -484,8 +515,11 @@ def attn_prep(
                 N_QB=n_qb,
                 BLOCK_H=BLOCK_H,
                 BLOCK_D=BLOCK_D,
+                AT_SLOT=kv_cache is not None,
                 num_warps=_num_warps(BLOCK_H * BLOCK_D),
             )
+    if kv_cache is not None:
+        return q.transpose(1, 2), None, None, gate
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate
 
 
@@ -499,8 +533,16 @@ def attn_prep_ref(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain-torch `attn_prep`, step by step as stock `Qwen3_5Attention.forward` computes it."""
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """Plain-torch `attn_prep`, step by step as stock `Qwen3_5Attention.forward` computes it (with `kv_cache`, k / v
+    copied into the caches at `slot` with `index_copy_`, as the decode step did before the kernel wrote them)."""
+    if kv_cache is not None:
+        q, k, v, gate = attn_prep_ref(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
+        keys, values, slot = kv_cache
+        keys.index_copy_(2, slot, k)
+        values.index_copy_(2, slot, v)
+        return q, None, None, gate
     H, KV, D = num_heads, num_kv_heads, head_dim
     B, T = qkv.shape[:2]
     q_gate, k, v = torch.split(qkv, [H * 2 * D, KV * D, KV * D], dim=-1)
@@ -1109,8 +1151,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-        SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr, w_ptr, y_ptr, s_ptr, cw_ptr, cb_ptr, M, N, K, C, stride_xm, stride_ym,
+        stride_s_b, stride_s_d, stride_s_w, stride_cw,
+        SWIGLU: tl.constexpr, CONV: tl.constexpr, CONV_W: tl.constexpr, CONV_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
     ):
         o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns of this program
         m_n = o_n < N
@@ -1137,21 +1181,55 @@ if HAS_TRITON:
         if SWIGLU:  # stock: silu(gate) rounded, times up (rounded), rounded
             b_s = _round_to(b_y / (1.0 + tl.exp(-b_y)), dt)
             b_y = _round_to(b_s * _round_to(acc_u, dt), dt)
+        if CONV:  # the conv step + SiLU of the first C columns, as `causal_conv1d_step` on them (same roundings)
+            m_c = m_n & (o_n < C)  # [BN] conv channels of this program: no other program touches their state
+            m_mc = (o_m < M)[:, None] & m_c[None, :]  # [BM, BN]
+            o_w = tl.arange(0, BLOCK_W)
+            w_dt = cw_ptr.dtype.element_ty
+            p_s = (s_ptr + o_m.to(tl.int64)[:, None, None] * stride_s_b + o_n.to(tl.int64)[None, :, None] * stride_s_d
+                   + o_w[None, None, :] * stride_s_w)  # [BM, BN, BW]
+            m_old = m_mc[:, :, None] & (o_w < CONV_W - 1)[None, None, :]
+            b_win = tl.load(p_s + stride_s_w, mask=m_old, other=0.0).to(tl.float32)  # old taps 1..W-1
+            b_win = tl.where((o_w == CONV_W - 1)[None, None, :], b_y[:, :, None], b_win)  # then this token's value
+            b_win = _round_to(b_win, w_dt)
+            tl.debug_barrier()  # every thread has loaded the old taps before any thread shifts them
+            s_dt = s_ptr.dtype.element_ty
+            tl.store(p_s, _round_to(b_win, s_dt).to(s_dt), mask=m_mc[:, :, None] & (o_w < CONV_W)[None, None, :])
+            m_cw = m_c[:, None] & (o_w < CONV_W)[None, :]
+            b_cw = tl.load(cw_ptr + o_n[:, None] * stride_cw + o_w[None, :], mask=m_cw, other=0.0).to(tl.float32)
+            b_c = tl.sum(b_win * b_cw[None, :, :], axis=2)  # [BM, BN]
+            if CONV_BIAS:
+                b_c += tl.load(cb_ptr + o_n, mask=m_c, other=0.0).to(tl.float32)[None, :]
+            b_c = _round_to(b_c, w_dt)
+            b_c = _round_to(b_c / (1.0 + tl.exp(-b_c)), w_dt)
+            b_y = tl.where(m_c[None, :], _round_to(b_c, dt), b_y)
         p_y = y_ptr + o_m[:, None] * stride_ym + o_n[None, :]
         tl.store(p_y, b_y.to(dt), mask=(o_m < M)[:, None] & m_n[None, :])
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False, config: tuple[int, int, int] | None = None):
-    """`x @ w.T` for a few rows, as one weight read; with `gate_up`, `silu(x @ g.T) * (x @ u.T)` for `w = [g; u]`.
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    gate_up: bool = False,
+    config: tuple[int, int, int] | None = None,
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+):
+    """`x @ w.T` for a few rows, as one weight read; with `gate_up`, `silu(x @ g.T) * (x @ u.T)` for `w = [g; u]`;
+    with `conv`, the DeltaNet decode step's causal conv + SiLU applied to the first C output columns in the epilogue.
 
     Args:
         x: [M, K], 1 <= M <= 16, float32 / bfloat16 / float16, last dim contiguous (any row stride).
         w: [N, K] contiguous, x's dtype and device; with `gate_up`, [2*I, K] (gate rows, then up rows).
         config: (BLOCK_N, BLOCK_K, num_warps); default the first of `_GEMV_CONFIGS`.
+        conv: optional `(conv_state [M, C, W], weight [C, W], bias [C] or None)` as `causal_conv1d_step` takes
+            them, C <= N, not with `gate_up`: columns [0, C) of the output are the conv step of the linear's
+            (rounded) output, and conv_state is updated in place. Saves the conv step's launch: each program owns
+            its output columns, so it owns their conv state too.
 
     Returns:
         y [M, N] (or [M, I] with `gate_up`) contiguous, in x.dtype: fp32 accumulation, one rounding, as
-        `F.linear` (then `swiglu`'s roundings).
+        `F.linear` (then `swiglu`'s roundings, or `causal_conv1d_step`'s on the conv columns: bit-identical to the
+        two launches).
     """
     _check_triton("gemv")
     _check_float("x", x)
@@ -1168,20 +1246,54 @@ def gemv(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False, config: tuple[
     _check_last_dim_contiguous("x", x)
     M, K = x.shape
     N = w.shape[0] // 2 if gate_up else w.shape[0]
+    state, conv_w, conv_b = conv if conv is not None else (w, w, None)
+    C, W = 0, 1
+    if conv is not None:
+        if gate_up:
+            raise ValueError("gemv takes either gate_up or conv, not both.")
+        _check_float("conv_state", state)
+        _check_float("conv weight", conv_w)
+        if state.dim() != 3 or state.shape[0] != M or not 1 <= state.shape[1] <= N:
+            raise ValueError(f"gemv's conv_state must be [M, C, W] with M = {M} and C <= N = {N}, got "
+                             f"{tuple(state.shape)}.")
+        C, W = state.shape[1:]
+        if conv_w.shape != (C, W):
+            raise ValueError(f"gemv's conv weight must be [C, W] = {(C, W)} to match conv_state "
+                             f"{tuple(state.shape)}, got {tuple(conv_w.shape)}.")
+        _check_last_dim_contiguous("conv weight", conv_w)
+        if conv_b is not None:
+            if conv_b.shape != (C,):
+                raise ValueError(f"gemv's conv bias must have shape ({C},), got {tuple(conv_b.shape)}.")
+            _check_float("conv bias", conv_b)
+            _check_last_dim_contiguous("conv bias", conv_b)
+        _check_same_device(x=x, conv_state=state, conv_weight=conv_w)
     BLOCK_N, BLOCK_K, num_warps = config or _GEMV_CONFIGS[0]
     BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     with _device_guard(x):
         _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
-            x, w, y, M, N, K, x.stride(0), y.stride(0),
-            SWIGLU=gate_up, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps,
+            x, w, y, state, conv_w, conv_b if conv_b is not None else conv_w, M, N, K, C, x.stride(0), y.stride(0),
+            *(state.stride() if conv is not None else (0, 0, 0)), conv_w.stride(0),
+            SWIGLU=gate_up, CONV=conv is not None, CONV_W=W, CONV_BIAS=conv_b is not None,
+            BLOCK_M=triton.next_power_of_2(M), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_W=triton.next_power_of_2(W),
+            num_warps=num_warps,
         )
     return y
 
 
-def gemv_ref(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
-    """Plain-torch `gemv`: `F.linear`, then stock's SwiGLU for `gate_up`."""
+def gemv_ref(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    gate_up: bool = False,
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """Plain-torch `gemv`: `F.linear`, then stock's SwiGLU for `gate_up`, or `causal_conv1d_step_ref` on the first
+    C columns for `conv` (its state updated in place)."""
     y = torch.nn.functional.linear(x, w)
+    if conv is not None:
+        state, conv_w, conv_b = conv
+        C = state.shape[1]
+        y[:, :C] = causal_conv1d_step_ref(y[:, :C], state, conv_w, conv_b)
     return swiglu_ref(y) if gate_up else y
 
 
@@ -1223,20 +1335,29 @@ def _time_ms(fn, reps: int = 10, flush: torch.Tensor | None = None) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _run_small_linear(x, w, gate_up, choice):
+def _run_small_linear(x, w, gate_up, choice, conv=None):
     if choice == "cublas":
         y = torch.nn.functional.linear(x, w)
+        if conv is not None:  # the conv step in place on the first C columns: one more launch
+            C = conv[0].shape[1]
+            causal_conv1d_step(y[:, :C], *conv, out=y[:, :C])
         return swiglu(y) if gate_up else y
-    return gemv(x, w, gate_up, choice)
+    return gemv(x, w, gate_up, choice, conv)
 
 
-def small_linear(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+def small_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    gate_up: bool = False,
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+) -> torch.Tensor:
     """The decode step's linear: `x @ w.T` ([M, K] x [N, K]), or with `gate_up` the SwiGLU of the packed gate|up
-    projection, by cuBLAS (`F.linear`, then `swiglu`) or by `gemv`, whichever runs faster on this card for this
-    shape. The choice is timed once per shape at its first call outside CUDA-graph capture (the decode step's eager
-    warm-up: ~12 runs per candidate, each queued behind a GPU sleep with L2 flushed, as the captured step meets its
-    weights) and kept for the process; a shape first met inside a capture, more than 16 rows, or a weight `gemv`
-    does not take, uses cuBLAS. One decision point."""
+    projection, or with `conv` (`gemv`'s argument) the DeltaNet conv step on its first C columns, by cuBLAS
+    (`F.linear`, then `swiglu` / `causal_conv1d_step`) or by `gemv` (one launch), whichever runs faster on this card
+    for this shape. The choice is timed once per shape, without the conv (which would move the state), at its first
+    call outside CUDA-graph capture (the decode step's eager warm-up: ~12 runs per candidate, each queued behind a
+    GPU sleep with L2 flushed, as the captured step meets its weights) and kept for the process; a shape first met
+    inside a capture, more than 16 rows, or a weight `gemv` does not take, uses cuBLAS. One decision point."""
     key = (x.shape[0], w.shape[0], w.shape[1], gate_up, x.dtype, x.device)
     choice = _small_linear_choice.get(key)
     if choice is None:
@@ -1257,7 +1378,7 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> tor
                                 "uses the other candidates for its linears.", config, type(err).__name__, err)
             choice = min(timings, key=timings.get)
         _small_linear_choice[key] = choice
-    return _run_small_linear(x, w, gate_up, choice)
+    return _run_small_linear(x, w, gate_up, choice, conv)
 
 
 def small_linear_choices() -> dict:
@@ -1266,9 +1387,14 @@ def small_linear_choices() -> dict:
     return dict(_small_linear_choice)
 
 
-def small_linear_ref(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+def small_linear_ref(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    gate_up: bool = False,
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+) -> torch.Tensor:
     """Plain-torch `small_linear`."""
-    return gemv_ref(x, w, gate_up)
+    return gemv_ref(x, w, gate_up, conv)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

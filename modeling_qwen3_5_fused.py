@@ -74,7 +74,6 @@ from .configuration_qwen3_5_fused import (
 from .fused_ops import (
     HAS_FLA,
     attn_prep,
-    causal_conv1d_step,
     decode_attention,
     deltanet_prep,
     gated_delta_rule_prefill,
@@ -636,9 +635,10 @@ class _DecodeState:
     def _deltanet_step(self, m, x, i):
         B = self.batch
         w, _ = m._packed_weight()
-        proj = _step_linear(x.view(B, -1), w)  # [B, conv_dim + value_dim + 2 * HV]
+        # [B, conv_dim + value_dim + 2 * HV]: q|k|v after the conv step + SiLU (its state updated in place, in the
+        # GEMV's epilogue when the GEMV runs this shape), then z, b, a
+        proj = small_linear(x.view(B, -1), w, conv=(self.conv[i], m.conv1d.weight.squeeze(1), m.conv1d.bias))
         mixed, z, b, a = torch.split(proj, [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads], dim=-1)
-        mixed = causal_conv1d_step(mixed, self.conv[i], m.conv1d.weight.squeeze(1), m.conv1d.bias)
         q, k, v = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         core = gated_delta_rule_step(
             q.view(B, m.num_k_heads, m.head_k_dim),
@@ -658,10 +658,10 @@ class _DecodeState:
         H, KV, D = m.config.num_attention_heads, m.config.num_key_value_heads, m.head_dim
         w, bias = m._packed_weight()
         qkv = _step_linear(x.view(B, -1), w, bias).view(B, 1, -1)
-        q, k, v, gate = attn_prep(qkv, cos, sin, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps, H, KV, D)
         keys, values = self.keys[i], self.values[i]
-        keys.index_copy_(2, slot, k)
-        values.index_copy_(2, slot, v)
+        # k and v are written at `slot` of the caches by the prep kernel itself
+        q, _, _, gate = attn_prep(qkv, cos, sin, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps, H, KV, D,
+                                  kv_cache=(keys, values, slot))
         # The H query heads of one token attend over the keys written so far (0..slot) that are not padding
         # (`valid`, [B, L]), then the output gate: two launches.
         o = decode_attention(q.reshape(B, H, D), keys, values, valid, slot, gate.view(B, H * D), m.scaling)
@@ -990,6 +990,19 @@ _STOP_CHECK_EVERY = 16
 _GENERATE_OUTPUT_CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 
 
+def _step_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head on a decode step's final-norm hidden state [B, 1, hidden] -> logits [B, 1, vocab]: through
+    ``small_linear`` (cuBLAS or our GEMV, timed per shape; the GEMV read the 4B head at 281 us against cuBLAS's 306
+    in a graph on the H200) when the head is a plain bias-free ``nn.Linear`` in the hidden state's dtype and device;
+    any other head (a PEFT wrapper, a bias, a dispatched module) runs as it is."""
+    head = model.lm_head
+    weight = getattr(head, "weight", None)
+    if type(head) is nn.Linear and head.bias is None and weight.dtype == hidden.dtype and weight.device == hidden.device:
+        B = hidden.shape[0]
+        return small_linear(hidden.view(B, -1), weight).view(B, 1, -1)
+    return head(hidden)
+
+
 def _fused_sample(model, cache, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs):
     """Greedy / multinomial decoding on a :class:`FusedDecodeCache`: stock ``_sample``'s token rule, with the
     model call reduced to one replayed step plus the LM head, and the all-rows-stopped check batched.
@@ -1042,7 +1055,7 @@ def _fused_sample(model, cache, input_ids, logits_processor, stopping_criteria, 
                 break
             if at_max:
                 break
-        logits = model.lm_head(cache.next_token(text_model, next_tokens))[:, -1].to(device=input_ids.device, dtype=torch.float32)
+        logits = _step_logits(model, cache.next_token(text_model, next_tokens))[:, -1].to(device=input_ids.device, dtype=torch.float32)
 
     if stop_at is not None and stop_at < input_ids.shape[1] - prompt_len:
         extra = input_ids.shape[1] - prompt_len - stop_at
@@ -1680,10 +1693,11 @@ class _FusedPreTrainedMixin:
         decode = {
             "path": "fused" if reason is None else "stock",
             "ops": (
-                "one step per token on preallocated conv / recurrent / K-V buffers: causal_conv1d_step + "
-                "gated_delta_rule_step (state in place), attn_prep + K/V written in place + decode_attention (split "
+                "one step per token on preallocated conv / recurrent / K-V buffers: the conv step in the DeltaNet "
+                "input linear's epilogue + gated_delta_rule_step (states in place), attn_prep writing K/V into the "
+                "cache + decode_attention (split "
                 "keys, merged with the sigmoid gate), fused norms; each linear (gate|up with SwiGLU in its epilogue) "
-                "by cuBLAS or our GEMV, whichever was timed faster for its shape"
+                "by cuBLAS or our GEMV, whichever was timed faster for its shape, the LM head too"
                 if reason is None else "stock transformers decode"
             ),
             "cuda_graphs": bool(graphs and reason is None and device.type == "cuda"),

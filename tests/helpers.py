@@ -206,7 +206,7 @@ def emulate_fused_on_cpu(monkeypatch):
     """Let the fused path run on CPU tensors with torch references for every kernel (build models after this)."""
     monkeypatch.setattr(modeling, "_FUSED_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setattr(modeling, "kernels_available", lambda: None)
-    for name in ("rms_norm", "attn_prep", "sigmoid_gate_mul", "swiglu", "small_linear", "causal_conv1d_step",
+    for name in ("rms_norm", "attn_prep", "sigmoid_gate_mul", "swiglu", "small_linear",
                  "gated_delta_rule_step", "deltanet_prep", "gated_rms_norm", "gated_delta_rule_prefill",
                  "decode_attention"):
         monkeypatch.setattr(modeling, name, getattr(fused_ops, f"{name}_ref"))

@@ -355,3 +355,32 @@ def test_prefill_graph_load_places_the_prompt_at_the_tail():
         want = torch.arange(5) if positions is None else positions[0]
         assert torch.equal(graph.positions[:, 59:], want.expand(2, 5))
     assert graph.load(ids, None, None) == 59 and graph.mask[:, 59:].all()
+
+
+def test_lm_head_of_a_step_goes_through_small_linear_unless_wrapped(monkeypatch):
+    """The step's LM head runs through `small_linear` (the per-shape cuBLAS / GEMV choice) for a plain bias-free
+    Linear; a head that is anything else (here a bias, as a wrapper or an adapter would add) runs as the module,
+    and both give stock's tokens and scores."""
+    seen = []
+    real = modeling.small_linear
+
+    def spy(x, w, *a, **k):
+        seen.append(tuple(w.shape))
+        return real(x, w, *a, **k)
+
+    monkeypatch.setattr(modeling, "small_linear", spy)
+    ids, mask = _prompts(2, 5)
+    for with_bias in (False, True):
+        stock, fused = stock_and_fused_lm(seed=3)
+        if with_bias:
+            for model in (stock, fused):
+                head = model.lm_head
+                model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+                model.lm_head.weight = torch.nn.Parameter(head.weight.detach().clone())
+                torch.nn.init.normal_(model.lm_head.bias, std=0.5)
+            fused.lm_head.bias.data.copy_(stock.lm_head.bias.data)
+        seen.clear()
+        a, b = _both(stock, fused, ids, mask, max_new_tokens=4, do_sample=False)
+        _assert_same(a, b)
+        vocab_shape = tuple(fused.lm_head.weight.shape)
+        assert (vocab_shape in seen) is not with_bias, (with_bias, seen)

@@ -510,6 +510,51 @@ def test_gemv_configs_cpu(config):
     check_gemv("cpu", torch.bfloat16, 2, 21, 50, True, config=config)
 
 
+def check_gemv_conv(device, dtype, M, N, K, C, W=4, config=None, bias=False, seed=0):
+    """`gemv` with the conv step in its epilogue: output and conv state bit-identical to the two launches it replaces
+    (`gemv`, then `causal_conv1d_step` on the first C columns) over two consecutive steps, and close to
+    `gemv_ref`."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(device, dtype)
+    conv_w = (torch.randn(C, W, generator=gen) * 0.5).to(device, dtype)
+    conv_b = (torch.randn(C, generator=gen) * 0.1).to(device, dtype) if bias else None
+    state = torch.randn(M, C, W, generator=gen).to(device, dtype)
+    state_two, state_ref = state.clone(), state.clone()
+    for step in range(2):
+        x = (torch.randn(M, K + 24, generator=gen) * 0.5).to(device, dtype)[:, 8 : 8 + K]
+        y = fused_ops.gemv(x, w, config=config, conv=(state, conv_w, conv_b))
+        two = fused_ops.gemv(x, w, config=config)
+        fused_ops.causal_conv1d_step(two[:, :C], state_two, conv_w, conv_b, out=two[:, :C])
+        want = fused_ops.gemv_ref(x, w, conv=(state_ref, conv_w, conv_b))
+        assert not y.isnan().any()
+        assert torch.equal(y, two), f"step {step}: output differs from gemv + causal_conv1d_step"
+        assert torch.equal(state, state_two), f"step {step}: conv state differs from causal_conv1d_step's"
+        err = rel_err(y.float(), want.float())
+        assert err <= BOUND[dtype], f"step {step}: rel_err {err:.3g} > {BOUND[dtype]:g}"
+        assert rel_err(state.float(), state_ref.float()) <= BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("M,N,K,C", [(1, 13, 16, 6), (3, 37, 40, 19), (2, 8, 24, 8)], ids=["M1", "M3", "all-conv"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_gemv_conv_cpu(dtype, M, N, K, C, bias):
+    check_gemv_conv("cpu", dtype, M, N, K, C, config=(4, 32, 1), bias=bias)
+
+
+def test_small_linear_conv_on_cpu_is_two_launches():
+    """The cuBLAS path of `small_linear` with `conv`: `F.linear`, then the conv step in place on the first C columns."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 16, generator=gen), torch.randn(12, 16, generator=gen)
+    state, conv_w = torch.randn(2, 5, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    state_ref = state.clone()
+    fused_ops._small_linear_choice.clear()
+    y = fused_ops.small_linear(x, w, conv=(state, conv_w, None))
+    want = fused_ops.small_linear_ref(x, w, conv=(state_ref, conv_w, None))
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(state, state_ref, rtol=0, atol=0)
+    assert list(fused_ops._small_linear_choice.values()) == ["cublas"]
+
+
 def test_small_linear_on_cpu_is_cublas_path():
     """Off CUDA (and for shapes `gemv` does not take) the choice is `F.linear`, made once per shape."""
     x, w = torch.randn(2, 16), torch.randn(12, 16)
@@ -526,12 +571,21 @@ def test_small_linear_on_cpu_is_cublas_path():
         ("k", r"x \[M, K\] and w \[N, K\]"),
         ("odd", "even number of weight rows"),
         ("dtype", "contiguous weight in x's dtype"),
+        ("conv-gate-up", "either gate_up or conv"),
+        ("conv-wide", r"conv_state must be \[M, C, W\]"),
+        ("conv-weight", r"conv weight must be \[C, W\]"),
+        ("conv-bias", r"conv bias must have shape \(5,\)"),
     ],
 )
 def test_gemv_rejects_bad_inputs(case, match):
     x, w = torch.randn(2, 16), torch.randn(12, 16)
+    state, conv_w = torch.zeros(2, 5, 4), torch.zeros(5, 4)
     args = {"rows": (torch.randn(17, 16), w, False), "k": (x, torch.randn(12, 8), False),
-            "odd": (x, torch.randn(11, 16), True), "dtype": (x, w.half(), False)}[case]
+            "odd": (x, torch.randn(11, 16), True), "dtype": (x, w.half(), False),
+            "conv-gate-up": (x, w, True, None, (state, conv_w, None)),
+            "conv-wide": (x, w, False, None, (torch.zeros(2, 13, 4), torch.zeros(13, 4), None)),
+            "conv-weight": (x, w, False, None, (state, torch.zeros(5, 3), None)),
+            "conv-bias": (x, w, False, None, (state, conv_w, torch.zeros(4)))}[case]
     with pytest.raises(ValueError, match=match):
         fused_ops.gemv(*args)
 
@@ -545,16 +599,18 @@ compile_(fused_ops._gated_delta_rule_step_kernel,
               dt_bias_ptr="*fp32", s_ptr="*fp32", o_ptr="*bf16", scale="fp32", eps="fp32"),
          dict(GROUP=2, K=128, V=128, BLOCK_K=128, BLOCK_V=32), 4)
 for block_m in (1, 8):
-    for swiglu in (False, True):
+    for epilogue in ("plain", "swiglu", "conv"):
         for block_n, block_k, warps in fused_ops._GEMV_CONFIGS:
-            compile_(fused_ops._gemv_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16"),
-                     dict(SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k), warps)
+            compile_(fused_ops._gemv_kernel,
+                     dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", s_ptr="*bf16", cw_ptr="*bf16", cb_ptr="*bf16"),
+                     dict(SWIGLU=epilogue == "swiglu", CONV=epilogue == "conv", CONV_W=4, CONV_BIAS=False,
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_W=4), warps)
 """
 
 
 def test_kernels_compile_for_sm90():
     """The real-shape variants of this file's kernels compile for sm_90."""
-    assert compile_for_sm90(_SM90_CALLS) == 2 + 4 * len(fused_ops._GEMV_CONFIGS)
+    assert compile_for_sm90(_SM90_CALLS) == 2 + 6 * len(fused_ops._GEMV_CONFIGS)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -662,6 +718,16 @@ def test_allocations_cuda():
 def test_gemv_cuda(dtype, M, N, K, gate_up):
     for config in fused_ops._GEMV_CONFIGS:
         check_gemv("cuda", dtype, M, N, K, gate_up, config=config)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("N,K,C", [(12352, 2560, 8192), (8224, 1024, 6144), (12352, 4096, 8192)],
+                         ids=["4B-deltanet-in", "0.8B-deltanet-in", "9B-deltanet-in"])
+def test_gemv_conv_cuda(dtype, M, N, K, C):
+    for config in fused_ops._GEMV_CONFIGS:
+        check_gemv_conv("cuda", dtype, M, N, K, C, config=config)
 
 
 @pytest.mark.cuda

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import fused_ops
-from helpers import DTYPE_IDS, DTYPES
+from helpers import DTYPE_IDS, DTYPES, compile_for_sm90
 from transformers import AttentionInterface
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
@@ -204,6 +204,41 @@ def check_attn_prep(device, dtype, B, T, H, KV, D, R, row_pad=0, cos_batch1=Fals
     assert_exact("gate vs attn_prep_ref", gate, gate_ref)
 
 
+def check_attn_prep_into_cache(device, dtype, B, H, KV, D, R, L, slot, hidden=None):
+    """A decode step's prep (T = 1) writing k / v at `slot` of [B, KV, L, D] caches: q and gate as the plain call
+    returns them, k / v bit-identical to its k / v at `slot`, every other cache position untouched; and the same
+    caches as the reference's `index_copy_`."""
+    torch.manual_seed(0)
+    cfg, attn = stock_attention(device, dtype, H, KV, D, R, hidden)
+    x = torch.randn(B, 1, cfg.hidden_size, dtype=dtype, device=device)
+    cos, sin = stock_rope(cfg, B, 1, dtype, device)
+    with torch.no_grad():
+        qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    args = (qkv, cos, sin, attn.q_norm.weight, attn.k_norm.weight, EPS, H, KV, D)
+    q, k, v, gate = fused_ops.attn_prep(*args)
+    keys, values = (torch.randn(B, KV, L, D, dtype=dtype, device=device) for _ in range(2))
+    keys_ref, values_ref = keys.clone(), values.clone()
+    slot_t = torch.tensor([slot], device=device)
+    q2, k2, v2, gate2 = fused_ops.attn_prep(*args, kv_cache=(keys, values, slot_t))
+    assert k2 is None and v2 is None
+    assert_exact("q", q2, q)
+    assert_exact("gate", gate2, gate)
+    expect_k, expect_v = keys_ref.clone(), values_ref.clone()
+    expect_k[:, :, slot], expect_v[:, :, slot] = k[:, :, 0], v[:, :, 0]
+    assert_exact("keys", keys, expect_k)
+    assert_exact("values", values, expect_v)
+    fused_ops.attn_prep_ref(*args, kv_cache=(keys_ref, values_ref, slot_t))
+    assert_close("keys vs attn_prep_ref", keys, keys_ref)
+    assert_exact("values vs attn_prep_ref", values, values_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("B, H, KV, D, R, L, slot", [(1, 4, 2, 32, 8, 8, 0), (3, 2, 1, 16, 16, 5, 4)],
+                         ids=["B1-slot0", "B3-last-slot"])
+def test_attn_prep_into_cache_cpu(dtype, B, H, KV, D, R, L, slot):
+    check_attn_prep_into_cache("cpu", dtype, B, H, KV, D, R, L, slot)
+
+
 def check_sigmoid_gate_mul(device, dtype, B, T, H, D, o_layout="bhtd", gate_pad=0):
     torch.manual_seed(0)
     cfg, attn = stock_attention(device, dtype, H, max(1, H // 4), D, 8)
@@ -346,10 +381,10 @@ def test_empty_inputs_cpu():
 _W16 = torch.zeros(16)
 
 
-def _prep(width=96, rotary_shape=(1, 2, 8), rotary_dtype=torch.float32, q_weight=_W16):
-    """attn_prep on a [1, 2, width] qkv with H=2, KV=1, D=16 (valid width 96) and the given cos / sin."""
-    cs = torch.randn(rotary_shape, dtype=rotary_dtype)
-    return fused_ops.attn_prep(torch.randn(1, 2, width), cs, cs, q_weight, _W16, EPS, 2, 1, 16)
+def _prep(width=96, rotary_shape=None, rotary_dtype=torch.float32, q_weight=_W16, T=2, kv_cache=None):
+    """attn_prep on a [1, T, width] qkv with H=2, KV=1, D=16 (valid width 96) and the given cos / sin."""
+    cs = torch.randn(rotary_shape or (1, T, 8), dtype=rotary_dtype)
+    return fused_ops.attn_prep(torch.randn(1, T, width), cs, cs, q_weight, _W16, EPS, 2, 1, 16, kv_cache=kv_cache)
 
 
 BAD_INPUTS = {
@@ -373,6 +408,14 @@ BAD_INPUTS = {
     "prep-cos-T": (lambda: _prep(rotary_shape=(1, 3, 8)), "cos / sin must be"),
     "prep-cos-dtype": (lambda: _prep(rotary_dtype=torch.float16), "dtype"),
     "prep-q-weight-shape": (lambda: _prep(q_weight=torch.zeros(8)), "q_weight"),
+    "prep-cache-T2": (lambda: _prep(kv_cache=(torch.zeros(1, 1, 4, 16),) * 2 + (torch.zeros(1, dtype=torch.long),)),
+                      "needs T = 1"),
+    "prep-cache-shape": (
+        lambda: _prep(T=1, kv_cache=(torch.zeros(1, 2, 4, 16),) * 2 + (torch.zeros(1, dtype=torch.long),)),
+        "keys / values must be"),
+    "prep-cache-slot-dtype": (
+        lambda: _prep(T=1, kv_cache=(torch.zeros(1, 1, 4, 16),) * 2 + (torch.zeros(1, dtype=torch.int32),)),
+        "slot must be"),
     "gate-shape": (lambda: fused_ops.sigmoid_gate_mul(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 15)), "gate must be"),
     "gate-dtype": (
         lambda: fused_ops.sigmoid_gate_mul(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 16).half()),
@@ -381,6 +424,20 @@ BAD_INPUTS = {
     "swiglu-odd-width": (lambda: fused_ops.swiglu(torch.randn(2, 15)), "even last dim"),
     "rms-empty-features": (lambda: fused_ops.rms_norm(torch.randn(2, 0), torch.zeros(0), EPS), "non-empty"),
 }
+
+
+_SM90_CALLS = r"""
+for at_slot in (False, True):
+    compile_(fused_ops._attn_prep_kernel,
+             dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", q_ptr="*bf16",
+                  k_ptr="*bf16", v_ptr="*bf16", g_ptr="*bf16", slot_ptr="*i64" if at_slot else "*bf16", eps="fp32"),
+             dict(H=16, KV=4, D=256, R=64, N_QB=4, BLOCK_H=4, BLOCK_D=256, AT_SLOT=at_slot), 4)
+"""
+
+
+def test_attn_prep_compiles_for_sm90():
+    """The real 4B / 9B attention shape, writing k / v to new buffers and into the caches at a slot."""
+    assert compile_for_sm90(_SM90_CALLS) == 2
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
@@ -447,6 +504,14 @@ def test_attn_prep_cuda(dtype, B, T, H, KV, hidden):
 @pytest.mark.parametrize("T", [1, 129], ids=lambda t: f"T{t}")
 def test_attn_prep_broadcast_cos_strided_qkv_cuda(dtype, T):
     check_attn_prep("cuda", dtype, 3, T, 16, 4, 256, 64, row_pad=128, cos_batch1=True, hidden=2560)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("B", [1, 3, 8], ids=lambda b: f"B{b}")
+@pytest.mark.parametrize("H, KV, hidden", [(8, 2, 1024), (16, 4, 4096), (24, 4, 5120)], ids=["0.8B", "4B-9B", "27B"])
+def test_attn_prep_into_cache_cuda(dtype, B, H, KV, hidden):
+    check_attn_prep_into_cache("cuda", dtype, B, H, KV, 256, 64, 512, 300, hidden=hidden)
 
 
 @pytest.mark.cuda
