@@ -9,7 +9,7 @@
 
 Measures, for each model: forward latency without cache at fixed lengths (median, p90; CUDA events on GPU), a
 request set with a realistic spread of lengths (median, mean, p90, p95, and requests over 2,048 tokens apart),
-decode ms/token and tokens/s through plain `generate()` at batch 1 and 8, and peak memory of a forward. On a GPU it
+decode ms/token (median of --decode-repeats) and tokens/s through plain `generate()` at batch 1 and 8, and peak memory of a forward. On a GPU it
 also measures, in the same run, the two ceilings (device copy bandwidth, bf16 GEMM rate) and reports each time
 against its floor: the weight-read floor for decode (weight bytes / copy bandwidth) and the matmul floor for
 forwards (2 x parameters x tokens / GEMM rate). Writes `results.json`, `results.md` and `latency.png` to --out.
@@ -268,8 +268,10 @@ def request_set(models: dict, lengths, device, vocab, timer) -> dict:
     return out
 
 
-def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, device, vocab) -> dict:
-    """ms per generated token through plain generate(): (time for N new tokens - time for 1) / (N - 1).
+def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, device, vocab, repeats: int = 3) -> dict:
+    """ms per generated token through plain generate(): (time for N new tokens - time for 1) / (N - 1), measured
+    `repeats` times per variant; `ms_per_token` is the median, `ms_per_token_stats` has median / mean / p90 / p95
+    and `ms_per_token_range` the fastest and slowest repeat.
 
     The fused model runs twice: with its CUDA graphs ("fused") and with the same fused step run eagerly
     ("fused-eager", `cuda_graphs` off), so the graphs' share of the gain is measured too. Also records the peak
@@ -294,19 +296,26 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
 
         for _ in range(2):  # warm: autotune, the decode step's graph (first call), the prompt's graph (second call)
             run(4)
-        t0 = time.perf_counter()
-        run(1)
-        t1 = time.perf_counter()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        run(new_tokens)
-        t2 = time.perf_counter()
-        per_token = ((t2 - t1) - (t1 - t0)) / (new_tokens - 1) * 1e3
+        per_tokens, firsts = [], []
+        for rep in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            run(1)
+            t1 = time.perf_counter()
+            if device.type == "cuda" and rep == 0:
+                torch.cuda.reset_peak_memory_stats(device)
+            run(new_tokens)
+            t2 = time.perf_counter()
+            if device.type == "cuda" and rep == 0:
+                peak = torch.cuda.max_memory_allocated(device)
+            per_tokens.append(((t2 - t1) - (t1 - t0)) / (new_tokens - 1) * 1e3)
+            firsts.append((t1 - t0) * 1e3)
+        per_token = statistics.median(per_tokens)
         # first_token_ms: a whole generate call for one new token (prompt forward + LM head + generate's set-up)
         out[name] = {"ms_per_token": per_token, "tokens_per_s": batch * 1e3 / per_token,
-                     "first_token_ms": (t1 - t0) * 1e3}
+                     "ms_per_token_stats": summary(per_tokens), "ms_per_token_range": [min(per_tokens), max(per_tokens)],
+                     "first_token_ms": statistics.median(firsts)}
         if device.type == "cuda":
-            out[name]["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            out[name]["peak_bytes"] = peak
         if graphs is not None:
             model.config.cuda_graphs = saved
             decode = model.describe()["decode"]
@@ -318,7 +327,8 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
                 out[name]["linears"] = linears
                 gemv = sum(v != "cublas" for v in linears.values())
                 log(f"decode batch={batch} {name}: GEMV chosen for {gemv} of {len(linears)} linear shapes")
-        log(f"decode batch={batch} {name}: {per_token:.3f} ms/token, first token {(t1 - t0) * 1e3:.2f} ms")
+        log(f"decode batch={batch} {name}: {per_token:.3f} ms/token (median of {len(per_tokens)}; "
+            f"{min(per_tokens):.3f} to {max(per_tokens):.3f}), first token {out[name]['first_token_ms']:.2f} ms")
     return out
 
 
@@ -450,10 +460,12 @@ def to_markdown(results: dict) -> str:
         long = f"{s['over_2048']['median']:.1f} / {f['over_2048']['median']:.1f}" if s["over_2048"] else "-"
         lines.append(f"| {name} | {s['all']['n']} | {fmt(s['all'])} | {fmt(e['all']) if e else '-'} | {fmt(f['all'])} | "
                      f"{s['all']['median'] / f['all']['median']:.2f}x | {long} |")
-    lines += ["", "| model | batch | stock ms/token | fused eager ms/token | fused + graphs ms/token | speed-up | "
-              "fused tokens/s | weight-read floor ms | fused / floor | peak GiB stock / fused (cache) | "
+    lines += ["", "Decode through `generate()` (ms/token: median of the repeats; fused + graphs range: fastest to "
+              "slowest repeat):", "",
+              "| model | batch | stock ms/token | fused eager ms/token | fused + graphs ms/token | fused + graphs range | "
+              "speed-up | fused tokens/s | weight-read floor ms | fused / floor | peak GiB stock / fused (cache) | "
               "first token ms stock / fused |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["models"].items():
         for batch, d in r.get("decode", {}).items():
             floor = r["floors"].get("decode_ms") if r["floors"] else None
@@ -463,7 +475,10 @@ def to_markdown(results: dict) -> str:
             if "peak_bytes" in d["stock"]:
                 peak = (f"{d['stock']['peak_bytes'] / 2**30:.2f} / {d['fused']['peak_bytes'] / 2**30:.2f} "
                         f"({d['fused'].get('cache_bytes', 0) / 2**30:.3f})")
-            lines.append(f"| {name} | {batch} | {s:.2f} | {'-' if e is None else f'{e:.2f}'} | {f:.3f} | {s / f:.1f}x | "
+            span = d["fused"].get("ms_per_token_range")
+            span = f"{span[0]:.3f} to {span[1]:.3f}" if span else "-"
+            lines.append(f"| {name} | {batch} | {s:.2f} | {'-' if e is None else f'{e:.2f}'} | {f:.3f} | {span} | "
+                         f"{s / f:.1f}x | "
                          f"{d['fused']['tokens_per_s']:.0f} | "
                          + (f"{floor:.3f} | {f / floor:.2f}x |" if floor else "- | - |") + f" {peak} | "
                          + (f"{d['stock']['first_token_ms']:.1f} / {d['fused']['first_token_ms']:.1f} |"
@@ -563,6 +578,7 @@ def main(argv=None):
     p.add_argument("--decode-batches", default="1,8")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--decode-repeats", type=int, default=3, help="timed generate pairs per decode variant (median)")
     p.add_argument("--profile", default="", help="comma list of lengths to profile (GPU): kernel counts, top kernels")
     p.add_argument("--profile-decode", default="", help="comma list of batch sizes whose decode step to profile (GPU)")
     p.add_argument("--plain-batch", type=int, default=4,
@@ -607,7 +623,8 @@ def main(argv=None):
                 models, lengths, args.plain_batch, args.repeats, device, vocab, timer).items()}
         if args.requests:
             r["requests"] = request_set(models, request_lengths(args.requests, args.max_request_len), device, vocab, timer)
-        r["decode"] = {b: decode_speed(models, int(b), args.prompt_len, args.new_tokens, device, vocab)
+        r["decode"] = {b: decode_speed(models, int(b), args.prompt_len, args.new_tokens, device, vocab,
+                                       args.decode_repeats)
                        for b in args.decode_batches.split(",") if b}
         if lengths:  # --lengths '' skips the forward runs (decode only)
             r["memory"] = peak_memory(models, max(lengths), device, vocab)

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_benchmark_runs_on_cpu(tmp_path):
     results = benchmark_latency.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "8,16",
                                       "--repeats", "2", "--requests", "3", "--max-request-len", "40",
-                                      "--decode-batches", "1,2", "--new-tokens", "3", "--out", str(tmp_path)])
+                                      "--decode-batches", "1,2", "--new-tokens", "3", "--decode-repeats", "2",
+                                      "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "results.json").read_text())
     tiny = saved["models"]["tiny"]
     assert set(tiny["forward"]) == {"stock", "fused-eager", "fused"} and set(tiny["forward"]["fused"]) == {"8", "16"}
@@ -23,6 +24,10 @@ def test_benchmark_runs_on_cpu(tmp_path):
     assert set(tiny["plain_forward"]) == {"stock", "fused-eager", "fused"} and set(tiny["plain_forward"]["fused"]) == {"8", "16"}
     # fields only: ms/token is a difference of two wall times, noise (even negative) for 3 tokens on a busy CPU
     assert set(tiny["decode"]) == {"1", "2"} and math.isfinite(tiny["decode"]["2"]["fused"]["ms_per_token"])
+    fused_decode = tiny["decode"]["1"]["fused"]
+    assert fused_decode["ms_per_token_stats"]["n"] == 2  # --decode-repeats
+    low, high = fused_decode["ms_per_token_range"]
+    assert low <= fused_decode["ms_per_token"] <= high
     assert tiny["params"]["tied"] and tiny["params"]["weight_bytes"] > 0
     assert (tmp_path / "latency.png").stat().st_size > 1000
     md = (tmp_path / "results.md").read_text()
