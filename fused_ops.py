@@ -11,7 +11,8 @@ I intermediate size, HV linear-attention value heads, K / V linear key / value h
 Triton ops (each `name()` beside its plain-torch `name_ref()`; fp32 / bf16 / fp16 in, fp32 math inside, rounded to
 the input dtype exactly where stock rounds):
 - `rms_norm`: zero-centred RMSNorm, optionally fused with the residual add before it.
-- `attn_prep`: split of the fused q|gate, k, v projection -> q / k RMSNorm -> partial RoPE, one launch.
+- `attn_prep`: split of the fused q|gate, k, v projection -> q / k RMSNorm -> partial RoPE, one launch (for a decode
+  step, writing k / v straight into the K/V cache at the step's slot).
 - `sigmoid_gate_mul`: the full-attention output gate `o * sigmoid(gate)`.
 - `swiglu`: `silu(g) * u` of the fused gate|up projection.
 - `causal_conv1d_step`, `gated_delta_rule_step`: the single-token (decode) step of a Gated DeltaNet layer, state
@@ -23,7 +24,8 @@ the input dtype exactly where stock rounds):
 - `gated_delta_rule_prefill` (fla glue, no kernel of ours): a prompt's gated delta rule by fla's chunked kernel, or
   by its per-token kernel where fp32 must stay IEEE fp32 (`prefill_rule_kernel` decides).
 - `gemv` (and `small_linear`, which picks it or cuBLAS per shape by timing both once): the decode step's linears
-  for 1-16 rows as one weight read, optionally with the SwiGLU of the packed gate|up projection in its epilogue.
+  for 1-16 rows as one weight read, optionally with the SwiGLU of the packed gate|up projection or the DeltaNet
+  conv step (`causal_conv1d_step` on the first columns, state in place) in its epilogue.
 """
 
 import contextlib
