@@ -417,7 +417,8 @@ def attn_prep(
         num_heads, num_kv_heads, head_dim: H, KV, D.
         kv_cache: optional `(keys, values, slot)` for a decode step (T = 1): caches [B, KV, L, D] in qkv's dtype,
             last dim contiguous, and slot [1] int64 on the device; k and v are written at position `slot` of the
-            caches (read on the GPU: capturable) instead of into new buffers.
+            caches (read on the GPU: capturable) instead of into new buffers. `slot` < L is the caller's to keep
+            (checking it would wait for the GPU); the decode cache refuses a step once it is full.
 
     Returns:
         `(q, k, v, gate)`: q [B, H, T, D], k and v [B, KV, T, D], each a `.transpose(1, 2)` view of a contiguous
