@@ -1149,6 +1149,8 @@ def gated_delta_rule_step_ref(
 # in_proj, the LM head). At 8 rows cuBLAS won every shape.
 _GEMV_CONFIGS = ((8, 512, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (8, 256, 4), (1, 2048, 4))
 _GEMV_MAX_M = 16
+# `gemv`'s / `small_linear`'s optional conv epilogue: (conv_state [M, C, W], conv weight [C, W], bias [C] or None)
+ConvStep = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 if HAS_TRITON:
 
@@ -1215,7 +1217,7 @@ def gemv(
     w: torch.Tensor,
     gate_up: bool = False,
     config: tuple[int, int, int] | None = None,
-    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    conv: ConvStep | None = None,
 ):
     """`x @ w.T` for a few rows, as one weight read; with `gate_up`, `silu(x @ g.T) * (x @ u.T)` for `w = [g; u]`;
     with `conv`, the DeltaNet decode step's causal conv + SiLU applied to the first C output columns in the epilogue.
@@ -1269,7 +1271,8 @@ def gemv(
                 raise ValueError(f"gemv's conv bias must have shape ({C},), got {tuple(conv_b.shape)}.")
             _check_float("conv bias", conv_b)
             _check_last_dim_contiguous("conv bias", conv_b)
-        _check_same_device(x=x, conv_state=state, conv_weight=conv_w)
+        bias = {"conv_bias": conv_b} if conv_b is not None else {}
+        _check_same_device(x=x, conv_state=state, conv_weight=conv_w, **bias)
     BLOCK_N, BLOCK_K, num_warps = config or _GEMV_CONFIGS[0]
     BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -1288,7 +1291,7 @@ def gemv_ref(
     x: torch.Tensor,
     w: torch.Tensor,
     gate_up: bool = False,
-    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    conv: ConvStep | None = None,
 ) -> torch.Tensor:
     """Plain-torch `gemv`: `F.linear`, then stock's SwiGLU for `gate_up`, or `causal_conv1d_step_ref` on the first
     C columns for `conv` (its state updated in place)."""
@@ -1352,7 +1355,7 @@ def small_linear(
     x: torch.Tensor,
     w: torch.Tensor,
     gate_up: bool = False,
-    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    conv: ConvStep | None = None,
 ) -> torch.Tensor:
     """The decode step's linear: `x @ w.T` ([M, K] x [N, K]), or with `gate_up` the SwiGLU of the packed gate|up
     projection, or with `conv` (`gemv`'s argument) the DeltaNet conv step on its first C columns, by cuBLAS
@@ -1394,7 +1397,7 @@ def small_linear_ref(
     x: torch.Tensor,
     w: torch.Tensor,
     gate_up: bool = False,
-    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    conv: ConvStep | None = None,
 ) -> torch.Tensor:
     """Plain-torch `small_linear`."""
     return gemv_ref(x, w, gate_up, conv)
