@@ -96,6 +96,50 @@ def _device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+# Programmatic dependent launch (PDL, sm_90+). The decode step is ~300 small kernels per token, and each one
+# otherwise starts only after the one before has drained: launch, ramp-up and tail are paid one after another.
+# With PDL every kernel of ours is launched so that it may start while the one before finishes; it first signals
+# that the next kernel may launch too (`gdc_launch_dependents`), then waits on the grid dependency (`gdc_wait`:
+# every earlier kernel complete, its writes visible) before it reads or writes anything an earlier kernel touches.
+# The GEMV loads its first weight tile before the wait (no kernel writes the weights), so its reads overlap the
+# kernel before it. Kernels that are not ours (cuBLAS, torch) are launched normally and wait as always. Set False
+# to turn it off (an A/B switch for benchmarks; read at launch, so it takes effect at the next capture).
+PDL_ENABLED = True
+_pdl_capable: dict = {}
+
+
+def _triton_has_pdl() -> bool:
+    """This Triton has the grid dependency instructions and the `launch_pdl` launch option."""
+    if not HAS_TRITON:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        return hasattr(tl.extra.cuda, "gdc_wait") and "launch_pdl" in CUDAOptions.__dataclass_fields__
+    except Exception:  # noqa: BLE001 - no NVIDIA backend: no PDL
+        return False
+
+
+_HAS_GDC = _triton_has_pdl()
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether our kernels on `device` use programmatic dependent launch: `PDL_ENABLED`, a CUDA device of compute
+    capability 9.0 or newer, and a Triton with grid dependency control. One decision point."""
+    device = torch.device(device)
+    if not (PDL_ENABLED and _HAS_GDC and device.type == "cuda"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _pdl_capable:
+        _pdl_capable[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _pdl_capable[index]
+
+
+def _pdl_launch(pdl: bool) -> dict:
+    """The launch option of a PDL kernel (none otherwise: the interpreter takes no launch options)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def _check_triton(op: str) -> None:
     if not HAS_TRITON:
         raise RuntimeError(f"fused_ops.{op} needs triton, which is not installed; use {op}_ref instead.")
@@ -150,6 +194,13 @@ if HAS_TRITON:
             y = x
         return y
 
+    @triton.jit
+    def _pdl_wait(PDL: tl.constexpr):
+        """With PDL: let the next kernel launch, then wait until every earlier kernel is done (see `pdl_enabled`)."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # 1. RMSNorm (zero-centred weight), optionally fused with the residual add before it
@@ -172,7 +223,9 @@ if HAS_TRITON:
         HAS_RESIDUAL: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
         o_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows
         o_n = tl.arange(0, BLOCK_N)  # [BN] features
         m_n = o_n < N
@@ -245,6 +298,7 @@ def rms_norm(
         BLOCK_N = triton.next_power_of_2(N)
         BLOCK_M = _units_per_program(n_rows, BLOCK_N, cap=triton.next_power_of_2(n_rows))
         with _device_guard(x):
+            pdl = pdl_enabled(x.device)
             _rms_norm_kernel[(triton.cdiv(n_rows, BLOCK_M),)](
                 x_rows,
                 r_rows,
@@ -260,6 +314,8 @@ def rms_norm(
                 BLOCK_M=BLOCK_M,
                 BLOCK_N=BLOCK_N,
                 num_warps=_num_warps(BLOCK_M * BLOCK_N),
+                PDL=pdl,
+                **_pdl_launch(pdl),
             )
     return (y, h) if residual is not None else y
 
@@ -355,7 +411,9 @@ if HAS_TRITON:
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
         AT_SLOT: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
         # program (token, head block): blocks [0, N_QB) hold query heads (+ their gates), the rest key heads (+ v)
         i_bt = tl.program_id(0).to(tl.int64)
         i_g = tl.program_id(1)
@@ -491,6 +549,7 @@ def attn_prep(
         grid = (n_rows, n_qb + triton.cdiv(KV, BLOCK_H))
 
         with _device_guard(qkv):
+            pdl = pdl_enabled(qkv.device)
             _attn_prep_kernel[grid](
                 qkv,
                 cos,
@@ -520,6 +579,8 @@ def attn_prep(
                 BLOCK_D=BLOCK_D,
                 AT_SLOT=kv_cache is not None,
                 num_warps=_num_warps(BLOCK_H * BLOCK_D),
+                PDL=pdl,
+                **_pdl_launch(pdl),
             )
     if kv_cache is not None:
         return q.transpose(1, 2), None, None, gate
@@ -940,7 +1001,9 @@ if HAS_TRITON:
         V: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
         # program (row, value head, block of V columns); value head i_hv reads key head i_hv // GROUP
         i_b = tl.program_id(0).to(tl.int64)
         i_hv = tl.program_id(1).to(tl.int64)
@@ -1064,6 +1127,7 @@ def gated_delta_rule_step(
         BLOCK_K = triton.next_power_of_2(K)
         BLOCK_V = min(triton.next_power_of_2(V), _GDR_BLOCK_V)
         with _device_guard(q):
+            pdl = pdl_enabled(q.device)
             _gated_delta_rule_step_kernel[(B, HV, triton.cdiv(V, BLOCK_V))](
                 q,
                 k,
@@ -1098,6 +1162,8 @@ def gated_delta_rule_step(
                 BLOCK_V=BLOCK_V,
                 # about 32 state values per thread: 4 warps for the real [128, 32] tile
                 num_warps=max(1, min(8, BLOCK_K * BLOCK_V // (32 * 32))),
+                PDL=pdl,
+                **_pdl_launch(pdl),
             )
     return out
 
@@ -1160,6 +1226,7 @@ if HAS_TRITON:
         stride_s_b, stride_s_d, stride_s_w, stride_cw,
         SWIGLU: tl.constexpr, CONV: tl.constexpr, CONV_W: tl.constexpr, CONV_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns of this program
         m_n = o_n < N
@@ -1167,14 +1234,29 @@ if HAS_TRITON:
         dt = y_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if PDL:  # the first weight tile loads while the kernel before drains (no kernel writes the weights)
+            tl.extra.cuda.gdc_launch_dependents()
+            o_k = tl.arange(0, BLOCK_K)
+            m_w = m_n[:, None] & (o_k < K)[None, :]
+            p_w = w_ptr + o_n.to(tl.int64)[:, None] * K + o_k[None, :]
+            b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)
+            if SWIGLU:
+                b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
+            tl.extra.cuda.gdc_wait()  # then x, written by an earlier kernel
         for k0 in range(0, K, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = o_k < K
             m_w = m_n[:, None] & m_k[None, :]
             p_w = w_ptr + o_n.to(tl.int64)[:, None] * K + o_k[None, :]
-            b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)  # [BN, BK], read once for every row of x
-            if SWIGLU:  # the up rows sit N rows below the gate rows of the packed gate|up matrix
-                b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
+            if PDL:
+                if k0 > 0:  # tile 0 was loaded before the wait
+                    b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)
+                    if SWIGLU:
+                        b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
+            else:
+                b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)  # [BN, BK], read once for every row of x
+                if SWIGLU:  # the up rows sit N rows below the gate rows of the packed gate|up matrix
+                    b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
             for i_m in tl.static_range(BLOCK_M):
                 # rows past M (BLOCK_M is M rounded up to a power of two) re-read row M-1; their store is masked
                 b_x = tl.load(x_ptr + tl.minimum(i_m, M - 1) * stride_xm + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -1277,12 +1359,15 @@ def gemv(
     BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     with _device_guard(x):
+        pdl = pdl_enabled(x.device)
         _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
             x, w, y, state, conv_w, conv_b if conv_b is not None else conv_w, M, N, K, C, x.stride(0), y.stride(0),
             *(state.stride() if conv is not None else (0, 0, 0)), conv_w.stride(0),
             SWIGLU=gate_up, CONV=conv is not None, CONV_W=W, CONV_BIAS=conv_b is not None,
             BLOCK_M=triton.next_power_of_2(M), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_W=triton.next_power_of_2(W),
             num_warps=num_warps,
+            PDL=pdl,
+            **_pdl_launch(pdl),
         )
     return y
 
@@ -1598,7 +1683,9 @@ if HAS_TRITON:
     def _gated_rms_norm_kernel(
         x_ptr, z_ptr, w_ptr, y_ptr, n_rows, D, stride_x, stride_zt, eps,
         HV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
         o_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows = (token, head)
         o_d = tl.arange(0, BLOCK_D)
         m_d = o_d < D
@@ -1655,9 +1742,11 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         BLOCK_D = triton.next_power_of_2(D)
         BLOCK_M = _units_per_program(n_rows, BLOCK_D, cap=triton.next_power_of_2(n_rows))
         with _device_guard(x):
+            pdl = pdl_enabled(x.device)
             _gated_rms_norm_kernel[(triton.cdiv(n_rows, BLOCK_M),)](
                 x_rows, z_rows, weight, y, n_rows, D, x_rows.stride(0), z_rows.stride(0), eps,
                 HV=HV, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=_num_warps(BLOCK_M * BLOCK_D),
+                PDL=pdl, **_pdl_launch(pdl),
             )
     return y
 
@@ -1767,7 +1856,9 @@ if HAS_TRITON:
         stride_valid_b, L, S, scale,
         H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
         SPLIT: tl.constexpr, BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
         # program (row b, KV head, split s): query heads [kv * G, (kv + 1) * G) against keys [s * SPLIT, ...)
         i_b = tl.program_id(0) // KV
         i_kv = tl.program_id(0) % KV
@@ -1823,7 +1914,9 @@ if HAS_TRITON:
     def _decode_attention_merge_kernel(
         m_ptr, l_ptr, acc_ptr, gate_ptr, y_ptr, S, stride_gate_b,
         H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
         # program (row b, query head h): merge the S splits, round as SDPA's output, then o * sigmoid(gate)
         i_bh = tl.program_id(0)
         i_b = i_bh // H
@@ -1913,18 +2006,19 @@ def decode_attention(
     acc = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
     BLOCK_D = triton.next_power_of_2(D)
     with _device_guard(q):
+        pdl = pdl_enabled(q.device)
         _decode_attention_split_kernel[(B * KV, S)](
             q, keys, values, valid, slot, m, l, acc,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2), valid.stride(0), L, S, float(scale),
             H=H, KV=KV, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // KV)), BLOCK_D=BLOCK_D, SPLIT=split,
             BLOCK_L=_DA_BLOCK_L, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST=q.device.type == "cpu", num_warps=4,
+            UPCAST=q.device.type == "cpu", num_warps=4, PDL=pdl, **_pdl_launch(pdl),
         )
         _decode_attention_merge_kernel[(B * H,)](
             m, l, acc, gate, y, S, gate.stride(0),
             H=H, D=D, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=BLOCK_D,
-            num_warps=_num_warps(max(2, triton.next_power_of_2(S)) * BLOCK_D),
+            num_warps=_num_warps(max(2, triton.next_power_of_2(S)) * BLOCK_D), PDL=pdl, **_pdl_launch(pdl),
         )
     return y
 

@@ -80,6 +80,7 @@ from .fused_ops import (
     gated_delta_rule_step,
     gated_rms_norm,
     kernels_available,
+    pdl_enabled,
     prefill_rule_kernel,
     rms_norm,
     sigmoid_gate_mul,
@@ -1701,6 +1702,8 @@ class _FusedPreTrainedMixin:
                 if reason is None else "stock transformers decode"
             ),
             "cuda_graphs": bool(graphs and reason is None and device.type == "cuda"),
+            # our kernels launched with programmatic dependent launch (sm_90+; fused_ops.pdl_enabled)
+            "pdl": bool(reason is None and pdl_enabled(device)),
             "falls_back": "beam search, assisted / contrastive decoding, a cache passed in, cache_implementation, "
             "output_attentions / output_hidden_states (a model split over devices decodes fused, without graphs)",
             "buckets": [

@@ -268,24 +268,33 @@ def request_set(models: dict, lengths, device, vocab, timer) -> dict:
     return out
 
 
-def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, device, vocab, repeats: int = 3) -> dict:
+def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, device, vocab, repeats: int = 3,
+                 pdl_ab: bool = False) -> dict:
     """ms per generated token through plain generate(): (time for N new tokens - time for 1) / (N - 1), measured
     `repeats` times per variant; `ms_per_token` is the median, `ms_per_token_stats` has median / mean / p90 / p95
     and `ms_per_token_range` the fastest and slowest repeat.
 
     The fused model runs twice: with its CUDA graphs ("fused") and with the same fused step run eagerly
     ("fused-eager", `cuda_graphs` off), so the graphs' share of the gain is measured too. Also records the peak
-    memory of the N-token call and the fused decode cache's preallocated bytes."""
+    memory of the N-token call and the fused decode cache's preallocated bytes. With `pdl_ab` (and a GPU whose
+    kernels use programmatic dependent launch) a third fused run, "fused-no-pdl", captures its graphs with PDL off:
+    PDL's share of the gain, measured in the same process."""
     ids = torch.randint(3, vocab, (batch, prompt_len), device=device)
     mask = torch.ones_like(ids)
     variants = [("stock", models["stock"], None)]
+    fused_ops = import_repo()[2]
     if "fused" in models:
         variants += [("fused-eager", models["fused"], False), ("fused", models["fused"], True)]
+        if pdl_ab and fused_ops.pdl_enabled(device):
+            variants.append(("fused-no-pdl", models["fused"], True))
     out = {}
     for name, model, graphs in variants:
         if graphs is not None:
             saved = model.config.cuda_graphs
             model.config.cuda_graphs = graphs
+        if name == "fused-no-pdl":  # new graphs, captured with PDL off (a launch option, read at capture)
+            fused_ops.PDL_ENABLED = False
+            model.set_fused_kernels(False).set_fused_kernels(True)
 
         def run(n):
             with torch.inference_mode(), stock_cpu_guard(device):
@@ -327,6 +336,9 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
                 out[name]["linears"] = linears
                 gemv = sum(v != "cublas" for v in linears.values())
                 log(f"decode batch={batch} {name}: GEMV chosen for {gemv} of {len(linears)} linear shapes")
+        if name == "fused-no-pdl":  # back to the default for what runs next
+            fused_ops.PDL_ENABLED = True
+            model.set_fused_kernels(False).set_fused_kernels(True)
         log(f"decode batch={batch} {name}: {per_token:.3f} ms/token (median of {len(per_tokens)}; "
             f"{min(per_tokens):.3f} to {max(per_tokens):.3f}), first token {out[name]['first_token_ms']:.2f} ms")
     return out
@@ -392,6 +404,9 @@ def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, d
             stats[n] = (sum(e.count for e in gpu), sum(e.self_device_time_total for e in gpu), gpu)
         if graphs is not None:
             model.config.cuda_graphs = saved
+        if name == "fused-no-pdl":
+            fused_ops.PDL_ENABLED = True
+            model.set_fused_kernels(False).set_fused_kernels(True)
         (k1, t1, _), (kn, tn, gpu) = stats[1], stats[new_tokens]
         per = new_tokens - 1
         top = sorted(gpu, key=lambda e: -e.self_device_time_total)[:rows]
@@ -483,6 +498,12 @@ def to_markdown(results: dict) -> str:
                          + (f"{floor:.3f} | {f / floor:.2f}x |" if floor else "- | - |") + f" {peak} | "
                          + (f"{d['stock']['first_token_ms']:.1f} / {d['fused']['first_token_ms']:.1f} |"
                             if "first_token_ms" in d["fused"] else "- |"))
+    ab = [(name, b, d) for name, r in results["models"].items() for b, d in r.get("decode", {}).items()
+          if "fused-no-pdl" in d]
+    if ab:
+        lines += ["", "Programmatic dependent launch (`--pdl-ab`), fused + graphs, median ms/token with PDL / without:", ""]
+        lines += [f"- {name} batch {b}: {d['fused']['ms_per_token']:.3f} / {d['fused-no-pdl']['ms_per_token']:.3f} "
+                  f"({d['fused-no-pdl']['ms_per_token'] / d['fused']['ms_per_token']:.3f}x)" for name, b, d in ab]
     rows = [(name, r["plain_forward"]) for name, r in results["models"].items() if r.get("plain_forward")]
     if rows:
         lines += ["", "Forward as `model(**inputs)`: a left-padded batch, the config's use_cache=True (a cache returned), "
@@ -579,6 +600,8 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--decode-repeats", type=int, default=3, help="timed generate pairs per decode variant (median)")
+    p.add_argument("--pdl-ab", action="store_true",
+                   help="also time the fused decode with programmatic dependent launch off (GPUs that have it)")
     p.add_argument("--profile", default="", help="comma list of lengths to profile (GPU): kernel counts, top kernels")
     p.add_argument("--profile-decode", default="", help="comma list of batch sizes whose decode step to profile (GPU)")
     p.add_argument("--plain-batch", type=int, default=4,
@@ -624,7 +647,7 @@ def main(argv=None):
         if args.requests:
             r["requests"] = request_set(models, request_lengths(args.requests, args.max_request_len), device, vocab, timer)
         r["decode"] = {b: decode_speed(models, int(b), args.prompt_len, args.new_tokens, device, vocab,
-                                       args.decode_repeats)
+                                       args.decode_repeats, args.pdl_ab)
                        for b in args.decode_batches.split(",") if b}
         if lengths:  # --lengths '' skips the forward runs (decode only)
             r["memory"] = peak_memory(models, max(lengths), device, vocab)

@@ -49,12 +49,18 @@ from triton.compiler import ASTSource
 import fused_ops
 
 def compile_(fn, types, constexprs, num_warps):
+    # kernels with a PDL switch compile as the H200 launches them: with programmatic dependent launch
+    pdl = "PDL" in fn.arg_names and fused_ops._HAS_GDC
+    if "PDL" in fn.arg_names:
+        constexprs = {"PDL": pdl, **constexprs}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in constexprs and (signature[n].startswith("*") or n.startswith("stride"))}
     src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps, **({"launch_pdl": True} if pdl else {})}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
     assert kernel.asm["cubin"], fn.__name__
+    assert not pdl or "griddepcontrol.wait" in kernel.asm["ptx"], fn.__name__ + ": no grid dependency wait"
     print(fn.__name__, "ok")
 """
 

@@ -108,6 +108,26 @@ def test_graph_replay_equals_eager_step_bf16():
         assert torch.equal(x, y)
 
 
+def test_programmatic_dependent_launch_changes_nothing_bf16(monkeypatch):
+    """With PDL (each kernel of ours may start while the one before drains, and waits on the grid dependency before
+    it touches that kernel's output) the graphed step gives the scores of plain launches, bit for bit: a missing
+    wait would read a half-written input. 64 tokens, batch 3, left padding, so every kernel of the step runs."""
+    from helpers import fused_ops
+
+    if not fused_ops.pdl_enabled(torch.device("cuda")):
+        pytest.skip("this GPU or Triton has no programmatic dependent launch")
+    _, fused = _pair(torch.bfloat16)
+    ids, mask = padded_batch(3, 11, "left")
+    runs = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(fused_ops, "PDL_ENABLED", pdl)
+        fused.set_fused_kernels(False).set_fused_kernels(True)  # new graphs: PDL is a launch option, read at capture
+        runs[pdl] = _generate(fused, ids, mask, max_new_tokens=64)
+    assert torch.equal(runs[False].sequences, runs[True].sequences)
+    for x, y in zip(runs[True].scores, runs[False].scores):
+        assert torch.equal(x, y)
+
+
 def test_repeated_calls_sampling_and_weight_swap():
     stock, fused = _pair(torch.float32)
     for batch, length, new in [(1, 5, 20), (3, 9, 12), (1, 30, 20), (3, 9, 12)]:

@@ -555,6 +555,15 @@ def test_small_linear_conv_on_cpu_is_two_launches():
     assert list(fused_ops._small_linear_choice.values()) == ["cublas"]
 
 
+def test_pdl_only_on_cuda_and_switchable(monkeypatch):
+    """Programmatic dependent launch is never asked of the CPU (the interpreter takes no launch options), and
+    `PDL_ENABLED = False` turns it off without a CUDA call."""
+    assert not fused_ops.pdl_enabled(torch.device("cpu"))
+    assert fused_ops._pdl_launch(False) == {}
+    monkeypatch.setattr(fused_ops, "PDL_ENABLED", False)
+    assert not fused_ops.pdl_enabled(torch.device("cuda", 0))
+
+
 def test_small_linear_on_cpu_is_cublas_path():
     """Off CUDA (and for shapes `gemv` does not take) the choice is `F.linear`, made once per shape."""
     x, w = torch.randn(2, 16), torch.randn(12, 16)

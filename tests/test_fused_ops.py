@@ -432,12 +432,17 @@ for at_slot in (False, True):
              dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", q_ptr="*bf16",
                   k_ptr="*bf16", v_ptr="*bf16", g_ptr="*bf16", slot_ptr="*i64" if at_slot else "*bf16", eps="fp32"),
              dict(H=16, KV=4, D=256, R=64, N_QB=4, BLOCK_H=4, BLOCK_D=256, AT_SLOT=at_slot), 4)
+for residual in (False, True):
+    compile_(fused_ops._rms_norm_kernel,
+             dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", h_ptr="*bf16", eps="fp32"),
+             dict(HAS_RESIDUAL=residual, BLOCK_M=1, BLOCK_N=4096), 16)
 """
 
 
 def test_attn_prep_compiles_for_sm90():
-    """The real 4B / 9B attention shape, writing k / v to new buffers and into the caches at a slot."""
-    assert compile_for_sm90(_SM90_CALLS) == 2
+    """The real 4B / 9B attention shape, writing k / v to new buffers and into the caches at a slot; the decode
+    step's RMSNorm at the 9B width."""
+    assert compile_for_sm90(_SM90_CALLS) == 4
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
