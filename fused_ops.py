@@ -1445,10 +1445,11 @@ def small_linear(
     """The decode step's linear: `x @ w.T` ([M, K] x [N, K]), or with `gate_up` the SwiGLU of the packed gate|up
     projection, or with `conv` (`gemv`'s argument) the DeltaNet conv step on its first C columns, by cuBLAS
     (`F.linear`, then `swiglu` / `causal_conv1d_step`) or by `gemv` (one launch), whichever runs faster on this card
-    for this shape. The choice is timed once per shape, without the conv (which would move the state), at its first
-    call outside CUDA-graph capture (the decode step's eager warm-up: ~12 runs per candidate, each queued behind a
-    GPU sleep with L2 flushed, as the captured step meets its weights) and kept for the process; a shape first met
-    inside a capture, more than 16 rows, or a weight `gemv` does not take, uses cuBLAS. One decision point."""
+    for this shape. The choice is timed once per shape, at its first call outside CUDA-graph capture (the decode
+    step's eager warm-up: ~12 runs per candidate, each queued behind a GPU sleep with L2 flushed, as the captured
+    step meets its weights; with the conv on a copy of its state, so cuBLAS's extra conv launch is timed too) and
+    kept for the process; a shape first met inside a capture, more than 16 rows, or a weight `gemv` does not take,
+    uses cuBLAS. One decision point."""
     key = (x.shape[0], w.shape[0], w.shape[1], gate_up, x.dtype, x.device)
     choice = _small_linear_choice.get(key)
     if choice is None:
@@ -1457,10 +1458,13 @@ def small_linear(
         if eligible and not torch.cuda.is_current_stream_capturing():
             with torch.cuda.device(x.device):  # the events must time x's device (device_map puts layers elsewhere)
                 flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=x.device)
-                timings = {"cublas": _time_ms(lambda: _run_small_linear(x, w, gate_up, "cublas"), flush=flush)}
+                # with the conv, as it will run (cuBLAS then pays the conv step's launch), on a copy of its state
+                scratch = (conv[0].clone(), *conv[1:]) if conv is not None else None
+                timings = {"cublas": _time_ms(lambda: _run_small_linear(x, w, gate_up, "cublas", scratch), flush=flush)}
                 for config in _GEMV_CONFIGS:
                     try:
-                        timings[config] = _time_ms(lambda config=config: gemv(x, w, gate_up, config), flush=flush)
+                        timings[config] = _time_ms(lambda config=config: gemv(x, w, gate_up, config, scratch),
+                                                   flush=flush)
                     except Exception as err:  # noqa: BLE001 - a config that fails on this card is not chosen, said once
                         if config not in _gemv_failed:
                             _gemv_failed.add(config)
