@@ -381,7 +381,9 @@ def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, d
     """Per generated token under the torch profiler, for each decode variant (stock, fused without and with CUDA
     graphs): kernels and summed GPU time per token (the profile of a `new_tokens` call minus that of a 1-token call,
     so the prefill cancels), and the top kernels of the longer call. Kernels replayed from a CUDA graph are recorded
-    individually by CUPTI."""
+    individually by CUPTI. With programmatic dependent launch on (`fused_ops.pdl_enabled`), a kernel's recorded time
+    includes its wait for the one before, so the sum exceeds the token's time; set `fused_ops.PDL_ENABLED = False`
+    for per-kernel times."""
     from torch.profiler import ProfilerActivity, profile
 
     ids = torch.randint(3, vocab, (batch, prompt_len), device=device)
@@ -404,9 +406,6 @@ def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, d
             stats[n] = (sum(e.count for e in gpu), sum(e.self_device_time_total for e in gpu), gpu)
         if graphs is not None:
             model.config.cuda_graphs = saved
-        if name == "fused-no-pdl":
-            fused_ops.PDL_ENABLED = True
-            model.set_fused_kernels(False).set_fused_kernels(True)
         (k1, t1, _), (kn, tn, gpu) = stats[1], stats[new_tokens]
         per = new_tokens - 1
         top = sorted(gpu, key=lambda e: -e.self_device_time_total)[:rows]
