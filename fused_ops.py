@@ -1393,36 +1393,64 @@ _small_linear_choice: dict = {}
 _gemv_failed: set = set()
 
 
-# The decode step reads each weight once per token and the model is far larger than L2 (50 MB on an H200), so the
-# candidates are timed with L2 flushed (a scratch buffer zeroed) before each run: timed warm, a 4-20 MB matrix would
-# be read from L2. 64 MB: enough to evict an H200's L2, and a transient 3% of the smallest model's (0.8B) peak
-# memory, held only while the first decode step times its shapes.
-_L2_FLUSH_BYTES = 64 << 20
-# Inside the step's CUDA graph every kernel starts as soon as the one before ends, whoever launched it. Timed
-# eagerly, a kernel starts only once the host has launched it, and Triton's launcher costs the host more than
-# cuBLAS's: timed that way, cuBLAS won shapes on which our GEMV is 1.4x faster inside a graph (H200, 2026-11-30:
-# 0.8B gate|up 11.1 us by cuBLAS in the step against 5.8 us by the GEMV in a graph). So the GPU sleeps this many
-# cycles (~0.2 ms) before each timed call, while the host queues it.
-_HOST_LEAD_CYCLES = 400_000
+# How the candidates are timed: as the captured step runs them. Each is captured in a CUDA graph that calls it on the
+# weight and on copies of it in turn, twice over, and the graph is replayed: every call reads its weight from HBM
+# (the copies together exceed the H200's 50 MB L2, as one decode step reads each weight once), each kernel starts as
+# soon as the one before it ends, and a kernel launched with programmatic dependent launch overlaps its start with the
+# one before, as in the step. Two lone timings missed this and picked cuBLAS where the GEMV is faster in the step:
+# timed eagerly, the GPU waited for Triton's slower host launch (0.8B gate|up: cuBLAS 11.1 us in the step against the
+# GEMV's 5.8 in a graph); timed alone behind a GPU sleep with L2 flushed (H200, 2026-11-30, PERFORMANCE.md), the
+# choice flipped between processes on the 4B out and down projections, which the GEMV reads in 7.7 / 14.1 us in a
+# graph against cuBLAS's 9.8 / 16.1, and the runs that gave them to cuBLAS decoded 4B 0.1-0.25 ms slower.
+# The copies are a transient of at most this many bytes (3% of the smallest model's, 0.8B's, peak memory), held
+# only while the first decode step times its shapes.
+_TIMING_COPY_BYTES = 64 << 20
+_TIMING_REPLAYS = 5
 
 
-def _time_ms(fn, reps: int = 10, flush: torch.Tensor | None = None) -> float:
-    """Median of `reps` CUDA-event timings of `fn()` after two warm calls, `flush` (a scratch buffer) zeroed before
-    each timed call when given, the call queued behind a GPU sleep so the host's launch cost is not timed (host
-    syncs: used outside capture only)."""
-    for _ in range(2):
-        fn()
+def _timing_weights(w: torch.Tensor) -> list[torch.Tensor]:
+    """`w` and enough copies of it that the set exceeds `_TIMING_COPY_BYTES` (at most that many bytes of copies)."""
+    return [w] + [w.clone() for _ in range(min(_TIMING_COPY_BYTES // max(w.nbytes, 1), 31))]
+
+
+_timing_streams: dict = {}
+
+
+def _timing_stream(device: int) -> "torch.cuda.Stream":
+    """One capture stream per device for `_time_in_graph_ms` (each new stream would get its own cuBLAS workspace)."""
+    if device not in _timing_streams:
+        _timing_streams[device] = torch.cuda.Stream(device)
+    return _timing_streams[device]
+
+
+def _time_in_graph_ms(call, weights: list[torch.Tensor], passes: int = 2) -> float:
+    """Median ms per call of `call(w)`, run over `weights` `passes` times inside one CUDA graph, over
+    `_TIMING_REPLAYS` replays (host syncs and a capture: used outside capture only). The first call of each weight
+    runs eagerly, outside the capture (compiles, autotunes; an error there propagates)."""
+    side = _timing_stream(torch.cuda.current_device())
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):  # torch.cuda.graph would also empty the allocator's cache, once per candidate
+        for w in weights:  # eager on the capture stream: cuBLAS's workspace for it is allocated here, not captured
+            call(w)
+        graph.capture_begin()
+        try:
+            for _ in range(passes):
+                for w in weights:
+                    call(w)
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
     times = []
-    for _ in range(reps):
-        if flush is not None:
-            flush.zero_()
-        torch.cuda._sleep(_HOST_LEAD_CYCLES)
+    for _ in range(_TIMING_REPLAYS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / (passes * len(weights)))
+    del graph
     return sorted(times)[len(times) // 2]
 
 
@@ -1446,10 +1474,10 @@ def small_linear(
     projection, or with `conv` (`gemv`'s argument) the DeltaNet conv step on its first C columns, by cuBLAS
     (`F.linear`, then `swiglu` / `causal_conv1d_step`) or by `gemv` (one launch), whichever runs faster on this card
     for this shape. The choice is timed once per shape, at its first call outside CUDA-graph capture (the decode
-    step's eager warm-up: ~12 runs per candidate, each queued behind a GPU sleep with L2 flushed, as the captured
-    step meets its weights; with the conv on a copy of its state, so cuBLAS's extra conv launch is timed too) and
-    kept for the process; a shape first met inside a capture, more than 16 rows, or a weight `gemv` does not take,
-    uses cuBLAS. One decision point."""
+    step's eager warm-up), as the captured step runs it: each candidate in a CUDA graph over the weight and copies of
+    it, weights cold in L2 (`_time_in_graph_ms`; with the conv on a copy of its state, so cuBLAS's extra conv launch
+    is timed too), and kept for the process; a shape first met inside a capture, more than 16 rows, or a weight
+    `gemv` does not take, uses cuBLAS. One decision point."""
     key = (x.shape[0], w.shape[0], w.shape[1], gate_up, x.dtype, x.device)
     choice = _small_linear_choice.get(key)
     if choice is None:
@@ -1457,20 +1485,22 @@ def small_linear(
         eligible = HAS_TRITON and x.is_cuda and x.shape[0] <= _GEMV_MAX_M and w.is_contiguous() and w.dtype == x.dtype
         if eligible and not torch.cuda.is_current_stream_capturing():
             with torch.cuda.device(x.device):  # the events must time x's device (device_map puts layers elsewhere)
-                flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device=x.device)
+                weights = _timing_weights(w)
                 # with the conv, as it will run (cuBLAS then pays the conv step's launch), on a copy of its state
                 scratch = (conv[0].clone(), *conv[1:]) if conv is not None else None
-                timings = {"cublas": _time_ms(lambda: _run_small_linear(x, w, gate_up, "cublas", scratch), flush=flush)}
+                timings = {"cublas": _time_in_graph_ms(
+                    lambda w_: _run_small_linear(x, w_, gate_up, "cublas", scratch), weights)}
                 for config in _GEMV_CONFIGS:
                     try:
-                        timings[config] = _time_ms(lambda config=config: gemv(x, w, gate_up, config, scratch),
-                                                   flush=flush)
+                        timings[config] = _time_in_graph_ms(
+                            lambda w_, config=config: gemv(x, w_, gate_up, config, scratch), weights)
                     except Exception as err:  # noqa: BLE001 - a config that fails on this card is not chosen, said once
                         if config not in _gemv_failed:
                             _gemv_failed.add(config)
                             logging.getLogger(__name__).warning(
                                 "Qwen3.5 fused kernels: the GEMV config %s failed here (%s: %s); the decode step "
                                 "uses the other candidates for its linears.", config, type(err).__name__, err)
+                del weights, scratch
             choice = min(timings, key=timings.get)
         _small_linear_choice[key] = choice
     return _run_small_linear(x, w, gate_up, choice, conv)

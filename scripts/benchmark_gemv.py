@@ -3,9 +3,10 @@ and what `fused_ops.small_linear` picks for each shape in this process.
 
     python scripts/benchmark_gemv.py --shapes 0.8B,4B,9B --rows 1,8 --out out/gemv
 
-Each candidate is captured in a CUDA graph that calls it on several copies of the weight in turn (together over
-400 MB, so every call reads its weight from HBM, not L2, as one decode step reads each weight once), and the graph
-is replayed 7 times: the median time per call includes the gap between launches inside a graph, as in the step.
+Each candidate is timed by `fused_ops._time_in_graph_ms`, the method `small_linear` chooses by, but over more copies
+of the weight (together over 400 MB, where `small_linear` holds at most 64 MB of copies): captured in a CUDA graph
+that calls it on each copy in turn, twice over, and replayed; the median time per call includes the gap between
+launches inside a graph, and programmatic dependent launch's overlap, as in the step.
 Prints, per shape and row count, every candidate's microseconds and the bandwidth of the best against the copy
 floor (bytes / 4.2 TB/s, the H200's measured copy rate), and `small_linear`'s choice, so a mismatch between the
 choice and the graph-timed best shows. Writes `gemv.json` to --out. Needs a CUDA GPU.
@@ -44,29 +45,6 @@ def decode_linears(size: str) -> dict:
     }
 
 
-def time_in_graph(call, weights, replays: int = 7) -> float:
-    """Median microseconds per call of `call(w)` over `weights`, captured twice over in one CUDA graph."""
-    for w in weights:  # compile / autotune outside the capture
-        call(w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(2):
-            for w in weights:
-                call(w)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (2 * len(weights)))
-    return sorted(times)[len(times) // 2]
-
-
 def sweep(fused_ops, sizes, rows, dtype) -> dict:
     configs = tuple(dict.fromkeys(fused_ops._GEMV_CONFIGS + EXTRA_CONFIGS))
     results = {}
@@ -77,11 +55,13 @@ def sweep(fused_ops, sizes, rows, dtype) -> dict:
             weights = [torch.randn(N, K, device="cuda", dtype=dtype) / K**0.5 for _ in range(copies)]
             for M in rows:
                 x = torch.randn(M, K, device="cuda", dtype=dtype)
-                row = {"cublas": time_in_graph(lambda w: fused_ops._run_small_linear(x, w, gate_up, "cublas"), weights)}
+                row = {"cublas": 1e3 * fused_ops._time_in_graph_ms(
+                    lambda w: fused_ops._run_small_linear(x, w, gate_up, "cublas"), weights)}
                 for config in configs:
                     if M > fused_ops._GEMV_MAX_M:
                         break
-                    row[str(config)] = time_in_graph(lambda w, c=config: fused_ops.gemv(x, w, gate_up, c), weights)
+                    row[str(config)] = 1e3 * fused_ops._time_in_graph_ms(
+                        lambda w, c=config: fused_ops.gemv(x, w, gate_up, c), weights)
                 fused_ops._small_linear_choice.clear()
                 fused_ops.small_linear(x, weights[0], gate_up)
                 (choice,) = fused_ops._small_linear_choice.values()

@@ -564,6 +564,20 @@ def test_pdl_only_on_cuda_and_switchable(monkeypatch):
     assert not fused_ops.pdl_enabled(torch.device("cuda", 0))
 
 
+@pytest.mark.parametrize("mb", [0.5, 4, 21, 63, 200])
+def test_timing_weights_are_the_weight_and_bounded_copies(mb):
+    """`small_linear` times each candidate over the weight and copies of it: the weight itself first, the copies
+    equal to it in their own storage, at most `_TIMING_COPY_BYTES` of them, and for the decode shapes (weights of
+    2 MB and more) a set larger than an H200's 50 MB L2."""
+    w = torch.randn(int(mb * 2**20) // (4 * 256), 256)
+    ws = fused_ops._timing_weights(w)
+    assert ws[0] is w
+    assert all(torch.equal(c, w) and c.data_ptr() != w.data_ptr() for c in ws[1:])
+    assert sum(c.nbytes for c in ws[1:]) <= fused_ops._TIMING_COPY_BYTES
+    if mb >= 2:
+        assert sum(c.nbytes for c in ws) > 50 * 2**20
+
+
 def test_small_linear_on_cpu_is_cublas_path():
     """Off CUDA (and for shapes `gemv` does not take) the choice is `F.linear`, made once per shape."""
     x, w = torch.randn(2, 16), torch.randn(12, 16)
@@ -740,12 +754,35 @@ def test_gemv_conv_cuda(dtype, M, N, K, C):
 
 
 @pytest.mark.cuda
+def test_graph_timing_reads_the_weights_from_hbm_cuda():
+    """`_time_in_graph_ms` times the calls it captured: a 4x larger weight takes over 2x longer, and a call runs at
+    no more than the H200's copy rate (4.2 TB/s, so the weights are read from HBM, not L2) and above 0.5 TB/s."""
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    times = {}
+    for n in (4096, 16384):
+        w = torch.randn(n, 4096, device="cuda", dtype=torch.bfloat16)
+        ws = fused_ops._timing_weights(w)
+        times[n] = fused_ops._time_in_graph_ms(lambda w_: torch.nn.functional.linear(x, w_), ws)
+        tb_s = w.nbytes / (times[n] * 1e-3) / 1e12
+        assert 0.5 < tb_s < 4.3, f"N={n}: {times[n] * 1e3:.1f} us per call is {tb_s:.2f} TB/s"
+        del w, ws
+    assert times[16384] > 2 * times[4096], times
+
+
+@pytest.mark.cuda
 def test_small_linear_picks_and_captures_cuda():
-    """The choice is made at the first eager call (timed), then the same choice replays inside a CUDA graph."""
+    """The choice is made at the first eager call (timed in graphs, its copies and graphs freed after), then the same
+    choice replays inside a CUDA graph."""
     fused_ops._small_linear_choice.clear()
     x = torch.randn(1, 2560, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(18432, 2560, device="cuda", dtype=torch.bfloat16) / 50
+    fused_ops.small_linear(x, w[:2560])  # a first choice: the timing stream and its cuBLAS workspace now exist
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     eager = fused_ops.small_linear(x, w, gate_up=True)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before <= eager.nbytes + (1 << 20), "the timing left memory allocated"
+    fused_ops._small_linear_choice.pop((1, 2560, 2560, False, torch.bfloat16, x.device))
     (choice,) = fused_ops._small_linear_choice.values()
     assert choice == "cublas" or choice in fused_ops._GEMV_CONFIGS
     assert rel_err(eager.float(), fused_ops.gemv_ref(x, w, True).float()) <= BOUND[torch.bfloat16]
