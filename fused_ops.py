@@ -1390,7 +1390,7 @@ def gemv_ref(
 
 # Per (M, N, K, gate_up, dtype, device): the chosen implementation, "cublas" or a `_GEMV_CONFIGS` entry.
 _small_linear_choice: dict = {}
-_gemv_failed: set = set()
+_timing_failed: set = set()
 
 
 # How the candidates are timed: as the captured step runs them. Each is captured in a CUDA graph that calls it on the
@@ -1488,20 +1488,21 @@ def small_linear(
                 weights = _timing_weights(w)
                 # with the conv, as it will run (cuBLAS then pays the conv step's launch), on a copy of its state
                 scratch = (conv[0].clone(), *conv[1:]) if conv is not None else None
-                timings = {"cublas": _time_in_graph_ms(
-                    lambda w_: _run_small_linear(x, w_, gate_up, "cublas", scratch), weights)}
-                for config in _GEMV_CONFIGS:
+                timings = {}
+                for cand in ("cublas", *_GEMV_CONFIGS):
                     try:
-                        timings[config] = _time_in_graph_ms(
-                            lambda w_, config=config: gemv(x, w_, gate_up, config, scratch), weights)
-                    except Exception as err:  # noqa: BLE001 - a config that fails on this card is not chosen, said once
-                        if config not in _gemv_failed:
-                            _gemv_failed.add(config)
+                        timings[cand] = _time_in_graph_ms(
+                            lambda w_, cand=cand: _run_small_linear(x, w_, gate_up, cand, scratch), weights)
+                    except Exception as err:  # noqa: BLE001 - a candidate that fails here is not chosen, said once
+                        if cand not in _timing_failed:
+                            _timing_failed.add(cand)
                             logging.getLogger(__name__).warning(
-                                "Qwen3.5 fused kernels: the GEMV config %s failed here (%s: %s); the decode step "
-                                "uses the other candidates for its linears.", config, type(err).__name__, err)
+                                "Qwen3.5 fused kernels: timing the decode linear candidate %s failed here (%s: %s); "
+                                "the decode step uses %s.", cand, type(err).__name__, err,
+                                "cuBLAS" if cand == "cublas" else "the other candidates")
                 del weights, scratch
-            choice = min(timings, key=timings.get)
+            # cuBLAS is the reference point: if it could not be timed (a capture that fails here), nothing is compared
+            choice = min(timings, key=timings.get) if "cublas" in timings else "cublas"
         _small_linear_choice[key] = choice
     return _run_small_linear(x, w, gate_up, choice, conv)
 
