@@ -1234,6 +1234,9 @@ if HAS_TRITON:
         dt = y_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if BLOCK_M == 1:
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc2_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PDL:  # the first weight tile loads while the kernel before drains (no kernel writes the weights)
             tl.extra.cuda.gdc_launch_dependents()
             o_k = tl.arange(0, BLOCK_K)
@@ -1257,13 +1260,23 @@ if HAS_TRITON:
                 b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)  # [BN, BK], read once for every row of x
                 if SWIGLU:  # the up rows sit N rows below the gate rows of the packed gate|up matrix
                     b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
-            for i_m in tl.static_range(BLOCK_M):
-                # rows past M (BLOCK_M is M rounded up to a power of two) re-read row M-1; their store is masked
-                b_x = tl.load(x_ptr + tl.minimum(i_m, M - 1) * stride_xm + o_k, mask=m_k, other=0.0).to(tl.float32)
-                sel = (o_m == i_m)[:, None]
-                acc = tl.where(sel, acc + tl.sum(b_w * b_x[None, :], axis=1)[None, :], acc)
+            if BLOCK_M == 1:  # one row: elementwise FMAs into a [BN, BK] accumulator, reduced once after the loop
+                b_x = tl.load(x_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
+                acc2 += b_w * b_x[None, :]
                 if SWIGLU:
-                    acc_u = tl.where(sel, acc_u + tl.sum(b_wu * b_x[None, :], axis=1)[None, :], acc_u)
+                    acc2_u += b_wu * b_x[None, :]
+            else:
+                for i_m in tl.static_range(BLOCK_M):
+                    # rows past M (BLOCK_M is M rounded up to a power of two) re-read row M-1; their store is masked
+                    b_x = tl.load(x_ptr + tl.minimum(i_m, M - 1) * stride_xm + o_k, mask=m_k, other=0.0).to(tl.float32)
+                    sel = (o_m == i_m)[:, None]
+                    acc = tl.where(sel, acc + tl.sum(b_w * b_x[None, :], axis=1)[None, :], acc)
+                    if SWIGLU:
+                        acc_u = tl.where(sel, acc_u + tl.sum(b_wu * b_x[None, :], axis=1)[None, :], acc_u)
+        if BLOCK_M == 1:
+            acc = tl.sum(acc2, axis=1)[None, :]
+            if SWIGLU:
+                acc_u = tl.sum(acc2_u, axis=1)[None, :]
         b_y = _round_to(acc, dt)  # the linear's output, rounded once as cuBLAS rounds it
         if SWIGLU:  # stock: silu(gate) rounded, times up (rounded), rounded
             b_s = _round_to(b_y / (1.0 + tl.exp(-b_y)), dt)
