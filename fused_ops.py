@@ -1209,11 +1209,19 @@ def gated_delta_rule_step_ref(
 # and keeps the faster, so it cannot make a shape slower than cuBLAS.
 # ---------------------------------------------------------------------------------------------------------------------
 
-# (BLOCK_N, BLOCK_K, num_warps) tried per shape: the configs that won at least one decode shape of the 0.8B / 4B / 9B
-# models at batch 1 in a sweep of ten (H200, 2026-11-30, weights cold in L2; PERFORMANCE.md). Few rows and long rows
+# (BLOCK_N, BLOCK_K, num_warps, sum_per_tile) tried per shape: the configs that won at least one decode shape of the
+# 0.8B / 4B / 9B models at batch 1 in a sweep of ten (H200, 2026-11-30, weights cold in L2; PERFORMANCE.md). Few rows and long rows
 # (2 x 2048) win the matrices with few outputs (o_proj, out_proj, down_proj), 8 x 256-512 the tall ones (gate|up,
 # in_proj, the LM head). At 8 rows cuBLAS won every shape.
-_GEMV_CONFIGS = ((8, 512, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (8, 256, 4), (1, 2048, 4))
+#
+# The fourth field, for one row only: True sums each weight tile across threads as it goes (as for several rows),
+# False adds the tiles elementwise into a [BLOCK_N, BLOCK_K] accumulator summed once after the loop. The latter read
+# the out / down projections 11-15% faster, the former the LM heads and the 4B gate|up 2-3% faster (H200,
+# 2026-12-01, PERFORMANCE.md); with two or more rows both are the same kernel, so only the False entries are timed.
+_GEMV_CONFIGS = (
+    (8, 512, 4, False), (2, 1024, 4, False), (2, 2048, 8, False), (4, 512, 4, False), (8, 256, 4, False),
+    (1, 2048, 4, False), (4, 1024, 4, True), (8, 256, 4, True),
+)
 _GEMV_MAX_M = 16
 # `gemv`'s / `small_linear`'s optional conv epilogue: (conv_state [M, C, W], conv weight [C, W], bias [C] or None)
 ConvStep = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -1226,7 +1234,7 @@ if HAS_TRITON:
         stride_s_b, stride_s_d, stride_s_w, stride_cw,
         SWIGLU: tl.constexpr, CONV: tl.constexpr, CONV_W: tl.constexpr, CONV_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-        PDL: tl.constexpr,
+        ROW_ACC: tl.constexpr, PDL: tl.constexpr,
     ):
         o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns of this program
         m_n = o_n < N
@@ -1234,7 +1242,7 @@ if HAS_TRITON:
         dt = y_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if BLOCK_M == 1:
+        if ROW_ACC:
             acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc2_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PDL:  # the first weight tile loads while the kernel before drains (no kernel writes the weights)
@@ -1260,7 +1268,7 @@ if HAS_TRITON:
                 b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)  # [BN, BK], read once for every row of x
                 if SWIGLU:  # the up rows sit N rows below the gate rows of the packed gate|up matrix
                     b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
-            if BLOCK_M == 1:  # one row: elementwise FMAs into a [BN, BK] accumulator, reduced once after the loop
+            if ROW_ACC:  # one row: elementwise FMAs into a [BN, BK] accumulator, reduced once after the loop
                 b_x = tl.load(x_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
                 acc2 += b_w * b_x[None, :]
                 if SWIGLU:
@@ -1273,7 +1281,7 @@ if HAS_TRITON:
                     acc = tl.where(sel, acc + tl.sum(b_w * b_x[None, :], axis=1)[None, :], acc)
                     if SWIGLU:
                         acc_u = tl.where(sel, acc_u + tl.sum(b_wu * b_x[None, :], axis=1)[None, :], acc_u)
-        if BLOCK_M == 1:
+        if ROW_ACC:
             acc = tl.sum(acc2, axis=1)[None, :]
             if SWIGLU:
                 acc_u = tl.sum(acc2_u, axis=1)[None, :]
@@ -1320,7 +1328,9 @@ def gemv(
     Args:
         x: [M, K], 1 <= M <= 16, float32 / bfloat16 / float16, last dim contiguous (any row stride).
         w: [N, K] contiguous, x's dtype and device; with `gate_up`, [2*I, K] (gate rows, then up rows).
-        config: (BLOCK_N, BLOCK_K, num_warps); default the first of `_GEMV_CONFIGS`.
+        config: (BLOCK_N, BLOCK_K, num_warps[, sum_per_tile]); default the first of `_GEMV_CONFIGS`.
+            `sum_per_tile` (one row only; default False): sum each weight tile across threads, instead of one
+            [BLOCK_N, BLOCK_K] accumulator summed after the loop.
         conv: optional `(conv_state [M, C, W], weight [C, W], bias [C] or None)` as `causal_conv1d_step` takes
             them, C <= N, not with `gate_up`: columns [0, C) of the output are the conv step of the linear's
             (rounded) output, and conv_state is updated in place. Saves the conv step's launch: each program owns
@@ -1368,7 +1378,7 @@ def gemv(
             _check_last_dim_contiguous("conv bias", conv_b)
         bias = {"conv_bias": conv_b} if conv_b is not None else {}
         _check_same_device(x=x, conv_state=state, conv_weight=conv_w, **bias)
-    BLOCK_N, BLOCK_K, num_warps = config or _GEMV_CONFIGS[0]
+    BLOCK_N, BLOCK_K, num_warps, *per_tile = config or _GEMV_CONFIGS[0]
     BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     with _device_guard(x):
@@ -1378,7 +1388,7 @@ def gemv(
             *(state.stride() if conv is not None else (0, 0, 0)), conv_w.stride(0),
             SWIGLU=gate_up, CONV=conv is not None, CONV_W=W, CONV_BIAS=conv_b is not None,
             BLOCK_M=triton.next_power_of_2(M), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_W=triton.next_power_of_2(W),
-            num_warps=num_warps,
+            ROW_ACC=M == 1 and not (per_tile and per_tile[0]), num_warps=num_warps,
             PDL=pdl,
             **_pdl_launch(pdl),
         )
@@ -1502,7 +1512,8 @@ def small_linear(
                 # with the conv, as it will run (cuBLAS then pays the conv step's launch), on a copy of its state
                 scratch = (conv[0].clone(), *conv[1:]) if conv is not None else None
                 timings = {}
-                for cand in ("cublas", *_GEMV_CONFIGS):
+                # with several rows, the sum_per_tile entries are the same kernel as their False twins: not timed
+                for cand in ("cublas", *(c for c in _GEMV_CONFIGS if x.shape[0] == 1 or not c[3])):
                     try:
                         timings[cand] = _time_in_graph_ms(
                             lambda w_, cand=cand: _run_small_linear(x, w_, gate_up, cand, scratch), weights)

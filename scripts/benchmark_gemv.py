@@ -24,7 +24,7 @@ from scripts.common import import_repo, real_text_kwargs  # noqa: E402
 
 COPY_TB_S = 4.2  # the H200's device copy rate measured by benchmark_latency.py (4.17-4.22 TB/s in its runs)
 # The configs of fused_ops._GEMV_CONFIGS plus the others of the first sweep, so a sweep can show a better one.
-EXTRA_CONFIGS = ((4, 1024, 4), (16, 256, 8), (4, 2048, 8), (8, 1024, 8))
+EXTRA_CONFIGS = ((4, 1024, 4, False), (16, 256, 8, False), (4, 2048, 8, False), (8, 1024, 8, False))
 
 
 def decode_linears(size: str) -> dict:

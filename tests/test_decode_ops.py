@@ -505,9 +505,11 @@ def test_gemv_cpu(dtype, M, N, K, gate_up):
     check_gemv("cpu", dtype, M, N, K, gate_up, config=(4, 32, 1))
 
 
-@pytest.mark.parametrize("config", [(8, 16, 1), (4, 64, 2)])
-def test_gemv_configs_cpu(config):
-    check_gemv("cpu", torch.bfloat16, 2, 21, 50, True, config=config)
+@pytest.mark.parametrize("config", [(8, 16, 1), (4, 64, 2), (4, 16, 1, True), (4, 16, 1, False)])
+@pytest.mark.parametrize("M", [1, 2])
+def test_gemv_configs_cpu(config, M):
+    check_gemv("cpu", torch.bfloat16, M, 21, 50, True, config=config)
+    check_gemv("cpu", torch.float32, M, 21, 50, False, config=config)
 
 
 def check_gemv_conv(device, dtype, M, N, K, C, W=4, config=None, bias=False, seed=0):
@@ -623,11 +625,12 @@ compile_(fused_ops._gated_delta_rule_step_kernel,
          dict(GROUP=2, K=128, V=128, BLOCK_K=128, BLOCK_V=32), 4)
 for block_m in (1, 8):
     for epilogue in ("plain", "swiglu", "conv"):
-        for block_n, block_k, warps in fused_ops._GEMV_CONFIGS:
+        for block_n, block_k, warps, per_tile in fused_ops._GEMV_CONFIGS:
             compile_(fused_ops._gemv_kernel,
                      dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", s_ptr="*bf16", cw_ptr="*bf16", cb_ptr="*bf16"),
                      dict(SWIGLU=epilogue == "swiglu", CONV=epilogue == "conv", CONV_W=4, CONV_BIAS=False,
-                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_W=4), warps)
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_W=4,
+                          ROW_ACC=block_m == 1 and not per_tile), warps)
 """
 
 
