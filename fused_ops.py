@@ -31,6 +31,7 @@ the input dtype exactly where stock rounds):
 import contextlib
 import inspect
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -1218,10 +1219,25 @@ def gated_delta_rule_step_ref(
 # False adds the tiles elementwise into a [BLOCK_N, BLOCK_K] accumulator summed once after the loop. The latter read
 # the out / down projections 11-15% faster, the former the LM heads and the 4B gate|up 2-3% faster (H200,
 # 2026-12-01, PERFORMANCE.md); with two or more rows both are the same kernel, so only the False entries are timed.
-_GEMV_CONFIGS = (
+
+
+class GemvConfig(NamedTuple):
+    """One `gemv` launch configuration: output rows per program, K per weight tile, warps; with one row, whether each
+    tile is summed across threads as it goes (`sum_per_tile`) or added into one accumulator summed after the loop;
+    and how many times the tile loop is unrolled (`unroll`: a later tile's load issues before an earlier tile's
+    FMAs wait for theirs)."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    sum_per_tile: bool = False
+    unroll: int = 1
+
+
+_GEMV_CONFIGS = tuple(GemvConfig(*c) for c in (
     (8, 512, 4, False), (2, 1024, 4, False), (2, 2048, 8, False), (4, 512, 4, False), (8, 256, 4, False),
     (1, 2048, 4, False), (4, 1024, 4, True), (8, 256, 4, True),
-)
+))
 _GEMV_MAX_M = 16
 # `gemv`'s / `small_linear`'s optional conv epilogue: (conv_state [M, C, W], conv weight [C, W], bias [C] or None)
 ConvStep = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -1234,7 +1250,7 @@ if HAS_TRITON:
         stride_s_b, stride_s_d, stride_s_w, stride_cw,
         SWIGLU: tl.constexpr, CONV: tl.constexpr, CONV_W: tl.constexpr, CONV_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-        ROW_ACC: tl.constexpr, PDL: tl.constexpr,
+        ROW_ACC: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
     ):
         o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns of this program
         m_n = o_n < N
@@ -1254,7 +1270,8 @@ if HAS_TRITON:
             if SWIGLU:
                 b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
             tl.extra.cuda.gdc_wait()  # then x, written by an earlier kernel
-        for k0 in range(0, K, BLOCK_K):
+        # UNROLL > 1: the loop body repeated, so a later tile's load can issue before an earlier tile's FMAs wait
+        for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = o_k < K
             m_w = m_n[:, None] & m_k[None, :]
@@ -1328,9 +1345,8 @@ def gemv(
     Args:
         x: [M, K], 1 <= M <= 16, float32 / bfloat16 / float16, last dim contiguous (any row stride).
         w: [N, K] contiguous, x's dtype and device; with `gate_up`, [2*I, K] (gate rows, then up rows).
-        config: (BLOCK_N, BLOCK_K, num_warps[, sum_per_tile]); default the first of `_GEMV_CONFIGS`.
-            `sum_per_tile` (one row only; default False): sum each weight tile across threads, instead of one
-            [BLOCK_N, BLOCK_K] accumulator summed after the loop.
+        config: a `GemvConfig` or a tuple of its fields (BLOCK_N, BLOCK_K, num_warps[, sum_per_tile[, unroll]]);
+            default the first of `_GEMV_CONFIGS`.
         conv: optional `(conv_state [M, C, W], weight [C, W], bias [C] or None)` as `causal_conv1d_step` takes
             them, C <= N, not with `gate_up`: columns [0, C) of the output are the conv step of the linear's
             (rounded) output, and conv_state is updated in place. Saves the conv step's launch: each program owns
@@ -1378,7 +1394,10 @@ def gemv(
             _check_last_dim_contiguous("conv bias", conv_b)
         bias = {"conv_bias": conv_b} if conv_b is not None else {}
         _check_same_device(x=x, conv_state=state, conv_weight=conv_w, **bias)
-    BLOCK_N, BLOCK_K, num_warps, *per_tile = config or _GEMV_CONFIGS[0]
+    cfg = GemvConfig(*(config or _GEMV_CONFIGS[0]))
+    if cfg.unroll < 1:
+        raise ValueError(f"gemv's unroll must be 1 or more, got {cfg.unroll}.")
+    BLOCK_N, BLOCK_K, num_warps = cfg.block_n, cfg.block_k, cfg.warps
     BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     with _device_guard(x):
@@ -1388,7 +1407,7 @@ def gemv(
             *(state.stride() if conv is not None else (0, 0, 0)), conv_w.stride(0),
             SWIGLU=gate_up, CONV=conv is not None, CONV_W=W, CONV_BIAS=conv_b is not None,
             BLOCK_M=triton.next_power_of_2(M), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_W=triton.next_power_of_2(W),
-            ROW_ACC=M == 1 and not (per_tile and per_tile[0]), num_warps=num_warps,
+            ROW_ACC=M == 1 and not cfg.sum_per_tile, UNROLL=cfg.unroll, num_warps=num_warps,
             PDL=pdl,
             **_pdl_launch(pdl),
         )
@@ -1513,7 +1532,7 @@ def small_linear(
                 scratch = (conv[0].clone(), *conv[1:]) if conv is not None else None
                 timings = {}
                 # with several rows, the sum_per_tile entries are the same kernel as their False twins: not timed
-                for cand in ("cublas", *(c for c in _GEMV_CONFIGS if x.shape[0] == 1 or not c[3])):
+                for cand in ("cublas", *(c for c in _GEMV_CONFIGS if x.shape[0] == 1 or not c.sum_per_tile)):
                     try:
                         timings[cand] = _time_in_graph_ms(
                             lambda w_, cand=cand: _run_small_linear(x, w_, gate_up, cand, scratch), weights)
