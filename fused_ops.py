@@ -1215,15 +1215,18 @@ def gated_delta_rule_step_ref(
 # (2 x 2048) win the matrices with few outputs (o_proj, out_proj, down_proj), 8 x 256-512 the tall ones (gate|up,
 # in_proj, the LM head). At 8 rows cuBLAS won every shape.
 #
-# The fourth field, for one row only: True sums each weight tile across threads as it goes (as for several rows),
-# False adds the tiles elementwise into a [BLOCK_N, BLOCK_K] accumulator summed once after the loop. The latter read
-# the out / down projections 11-15% faster, the former the LM heads and the 4B gate|up 2-3% faster (H200,
-# 2026-12-01, PERFORMANCE.md); with two or more rows both are the same kernel, so only the False entries are timed.
+# The fourth field: True sums each weight tile across threads as it goes, False adds the tiles elementwise into a
+# [rows, BLOCK_N, BLOCK_K] accumulator summed once after the loop, where that accumulator takes at most
+# `_GEMV_ACC_REGS` registers a thread (every shipped config at one row; with more rows, the small tiles only).
+# At one row the accumulator read the out / down projections 11-15% faster, the per-tile sum the LM heads and the
+# 4B gate|up 2-3% faster (H200, 2026-12-01, PERFORMANCE.md).
+_GEMV_ACC_REGS = 64
 
 
 class GemvConfig(NamedTuple):
-    """One `gemv` launch configuration: output rows per program, K per weight tile, warps; with one row, whether each
-    tile is summed across threads as it goes (`sum_per_tile`) or added into one accumulator summed after the loop;
+    """One `gemv` launch configuration: output rows per program, K per weight tile, warps; whether each tile is
+    summed across threads as it goes (`sum_per_tile`) or added into one accumulator summed after the loop (when it
+    fits in `_GEMV_ACC_REGS` registers a thread; the per-tile sum otherwise);
     and how many times the tile loop is unrolled (`unroll`: a later tile's load issues before an earlier tile's
     FMAs wait for theirs)."""
 
@@ -1232,6 +1235,14 @@ class GemvConfig(NamedTuple):
     warps: int
     sum_per_tile: bool = False
     unroll: int = 1
+
+
+def _gemv_row_acc(cfg: GemvConfig, block_m: int, block_k: int, gate_up: bool) -> bool:
+    """Whether `gemv` runs `cfg` with the one-accumulator loop (else it sums each tile across threads): asked for, and
+    the [block_m, block_n, block_k] float32 accumulator (two with `gate_up`) fits `_GEMV_ACC_REGS` registers a
+    thread."""
+    elems = block_m * cfg.block_n * block_k * (2 if gate_up else 1)
+    return not cfg.sum_per_tile and elems <= _GEMV_ACC_REGS * 32 * cfg.warps
 
 
 _GEMV_CONFIGS = tuple(GemvConfig(*c) for c in (
@@ -1259,8 +1270,12 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if ROW_ACC:
-            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            acc2_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            if BLOCK_M == 1:
+                acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                acc2_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            else:
+                acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+                acc3_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PDL:  # the first weight tile loads while the kernel before drains (no kernel writes the weights)
             tl.extra.cuda.gdc_launch_dependents()
             o_k = tl.arange(0, BLOCK_K)
@@ -1285,11 +1300,18 @@ if HAS_TRITON:
                 b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)  # [BN, BK], read once for every row of x
                 if SWIGLU:  # the up rows sit N rows below the gate rows of the packed gate|up matrix
                     b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
-            if ROW_ACC:  # one row: elementwise FMAs into a [BN, BK] accumulator, reduced once after the loop
-                b_x = tl.load(x_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
-                acc2 += b_w * b_x[None, :]
-                if SWIGLU:
-                    acc2_u += b_wu * b_x[None, :]
+            if ROW_ACC:  # elementwise FMAs into a [BM,] BN, BK accumulator, reduced once after the loop
+                if BLOCK_M == 1:
+                    b_x = tl.load(x_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
+                    acc2 += b_w * b_x[None, :]
+                    if SWIGLU:
+                        acc2_u += b_wu * b_x[None, :]
+                else:  # rows past M re-read row M-1; their store is masked
+                    p_x = x_ptr + tl.minimum(o_m, M - 1)[:, None] * stride_xm + o_k[None, :]
+                    b_x = tl.load(p_x, mask=m_k[None, :], other=0.0).to(tl.float32)  # [BM, BK]
+                    acc3 += b_w[None, :, :] * b_x[:, None, :]
+                    if SWIGLU:
+                        acc3_u += b_wu[None, :, :] * b_x[:, None, :]
             else:
                 for i_m in tl.static_range(BLOCK_M):
                     # rows past M (BLOCK_M is M rounded up to a power of two) re-read row M-1; their store is masked
@@ -1299,9 +1321,14 @@ if HAS_TRITON:
                     if SWIGLU:
                         acc_u = tl.where(sel, acc_u + tl.sum(b_wu * b_x[None, :], axis=1)[None, :], acc_u)
         if ROW_ACC:
-            acc = tl.sum(acc2, axis=1)[None, :]
-            if SWIGLU:
-                acc_u = tl.sum(acc2_u, axis=1)[None, :]
+            if BLOCK_M == 1:
+                acc = tl.sum(acc2, axis=1)[None, :]
+                if SWIGLU:
+                    acc_u = tl.sum(acc2_u, axis=1)[None, :]
+            else:
+                acc = tl.sum(acc3, axis=2)
+                if SWIGLU:
+                    acc_u = tl.sum(acc3_u, axis=2)
         b_y = _round_to(acc, dt)  # the linear's output, rounded once as cuBLAS rounds it
         if SWIGLU:  # stock: silu(gate) rounded, times up (rounded), rounded
             b_s = _round_to(b_y / (1.0 + tl.exp(-b_y)), dt)
@@ -1399,6 +1426,8 @@ def gemv(
         raise ValueError(f"gemv's unroll must be 1 or more, got {cfg.unroll}.")
     BLOCK_N, BLOCK_K, num_warps = cfg.block_n, cfg.block_k, cfg.warps
     BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
+    BLOCK_M = triton.next_power_of_2(M)
+    row_acc = _gemv_row_acc(cfg, BLOCK_M, BLOCK_K, gate_up)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     with _device_guard(x):
         pdl = pdl_enabled(x.device)
@@ -1406,8 +1435,8 @@ def gemv(
             x, w, y, state, conv_w, conv_b if conv_b is not None else conv_w, M, N, K, C, x.stride(0), y.stride(0),
             *(state.stride() if conv is not None else (0, 0, 0)), conv_w.stride(0),
             SWIGLU=gate_up, CONV=conv is not None, CONV_W=W, CONV_BIAS=conv_b is not None,
-            BLOCK_M=triton.next_power_of_2(M), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_W=triton.next_power_of_2(W),
-            ROW_ACC=M == 1 and not cfg.sum_per_tile, UNROLL=cfg.unroll, num_warps=num_warps,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_W=triton.next_power_of_2(W),
+            ROW_ACC=row_acc, UNROLL=cfg.unroll, num_warps=num_warps,
             PDL=pdl,
             **_pdl_launch(pdl),
         )
@@ -1531,8 +1560,7 @@ def small_linear(
                 # with the conv, as it will run (cuBLAS then pays the conv step's launch), on a copy of its state
                 scratch = (conv[0].clone(), *conv[1:]) if conv is not None else None
                 timings = {}
-                # with several rows, the sum_per_tile entries are the same kernel as their False twins: not timed
-                for cand in ("cublas", *(c for c in _GEMV_CONFIGS if x.shape[0] == 1 or not c.sum_per_tile)):
+                for cand in ("cublas", *_GEMV_CONFIGS):
                     try:
                         timings[cand] = _time_in_graph_ms(
                             lambda w_, cand=cand: _run_small_linear(x, w_, gate_up, cand, scratch), weights)

@@ -635,12 +635,13 @@ compile_(fused_ops._gated_delta_rule_step_kernel,
 for block_m in (1, 8):
     for epilogue in ("plain", "swiglu", "conv"):
         for c in fused_ops._GEMV_CONFIGS + (fused_ops.GemvConfig(2, 1024, 4, False, 2),
-                                            fused_ops.GemvConfig(8, 256, 4, False, 4)):
+                                            fused_ops.GemvConfig(2, 256, 4, False, 4)):
             compile_(fused_ops._gemv_kernel,
                      dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", s_ptr="*bf16", cw_ptr="*bf16", cb_ptr="*bf16"),
                      dict(SWIGLU=epilogue == "swiglu", CONV=epilogue == "conv", CONV_W=4, CONV_BIAS=False,
                           BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_W=4,
-                          ROW_ACC=block_m == 1 and not c.sum_per_tile, UNROLL=c.unroll), c.warps)
+                          ROW_ACC=fused_ops._gemv_row_acc(c, block_m, c.block_k, epilogue == "swiglu"),
+                          UNROLL=c.unroll), c.warps)
 """
 
 
