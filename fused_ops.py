@@ -31,6 +31,7 @@ the input dtype exactly where stock rounds):
 import contextlib
 import inspect
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -1209,11 +1210,45 @@ def gated_delta_rule_step_ref(
 # and keeps the faster, so it cannot make a shape slower than cuBLAS.
 # ---------------------------------------------------------------------------------------------------------------------
 
-# (BLOCK_N, BLOCK_K, num_warps) tried per shape: the configs that won at least one decode shape of the 0.8B / 4B / 9B
-# models at batch 1 in a sweep of ten (H200, 2026-11-30, weights cold in L2; PERFORMANCE.md). Few rows and long rows
+# (BLOCK_N, BLOCK_K, num_warps, sum_per_tile) tried per shape: the configs that won at least one decode shape of the
+# 0.8B / 4B / 9B models at batch 1 in a sweep of ten (H200, 2026-11-30, weights cold in L2; PERFORMANCE.md). Few rows and long rows
 # (2 x 2048) win the matrices with few outputs (o_proj, out_proj, down_proj), 8 x 256-512 the tall ones (gate|up,
 # in_proj, the LM head). At 8 rows cuBLAS won every shape.
-_GEMV_CONFIGS = ((8, 512, 4), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (8, 256, 4), (1, 2048, 4))
+#
+# The fourth field: True sums each weight tile across threads as it goes, False adds the tiles elementwise into a
+# [rows, BLOCK_N, BLOCK_K] accumulator summed once after the loop, where that accumulator takes at most
+# `_GEMV_ACC_REGS` registers a thread (every shipped config at one row; with more rows, the small tiles only).
+# At one row the accumulator read the out / down projections 11-15% faster, the per-tile sum the LM heads and the
+# 4B gate|up 2-3% faster (H200, 2026-12-01, PERFORMANCE.md).
+_GEMV_ACC_REGS = 64
+
+
+class GemvConfig(NamedTuple):
+    """One `gemv` launch configuration: output rows per program, K per weight tile, warps; whether each tile is
+    summed across threads as it goes (`sum_per_tile`) or added into one accumulator summed after the loop (when it
+    fits in `_GEMV_ACC_REGS` registers a thread; the per-tile sum otherwise);
+    and how many times the tile loop is unrolled (`unroll`: a later tile's load issues before an earlier tile's
+    FMAs wait for theirs)."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    sum_per_tile: bool = False
+    unroll: int = 1
+
+
+def _gemv_row_acc(cfg: GemvConfig, block_m: int, block_k: int, gate_up: bool) -> bool:
+    """Whether `gemv` runs `cfg` with the one-accumulator loop (else it sums each tile across threads): asked for, and
+    the [block_m, block_n, block_k] float32 accumulator (two with `gate_up`) fits `_GEMV_ACC_REGS` registers a
+    thread."""
+    elems = block_m * cfg.block_n * block_k * (2 if gate_up else 1)
+    return not cfg.sum_per_tile and elems <= _GEMV_ACC_REGS * 32 * cfg.warps
+
+
+_GEMV_CONFIGS = tuple(GemvConfig(*c) for c in (
+    (8, 512, 4, False), (2, 1024, 4, False), (2, 2048, 8, False), (4, 512, 4, False), (8, 256, 4, False),
+    (1, 2048, 4, False), (4, 1024, 4, True), (8, 256, 4, True),
+))
 _GEMV_MAX_M = 16
 # `gemv`'s / `small_linear`'s optional conv epilogue: (conv_state [M, C, W], conv weight [C, W], bias [C] or None)
 ConvStep = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -1226,7 +1261,7 @@ if HAS_TRITON:
         stride_s_b, stride_s_d, stride_s_w, stride_cw,
         SWIGLU: tl.constexpr, CONV: tl.constexpr, CONV_W: tl.constexpr, CONV_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-        PDL: tl.constexpr,
+        ROW_ACC: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
     ):
         o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns of this program
         m_n = o_n < N
@@ -1234,9 +1269,13 @@ if HAS_TRITON:
         dt = y_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if BLOCK_M == 1:
-            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            acc2_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if ROW_ACC:
+            if BLOCK_M == 1:
+                acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                acc2_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            else:
+                acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+                acc3_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PDL:  # the first weight tile loads while the kernel before drains (no kernel writes the weights)
             tl.extra.cuda.gdc_launch_dependents()
             o_k = tl.arange(0, BLOCK_K)
@@ -1246,7 +1285,8 @@ if HAS_TRITON:
             if SWIGLU:
                 b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
             tl.extra.cuda.gdc_wait()  # then x, written by an earlier kernel
-        for k0 in range(0, K, BLOCK_K):
+        # UNROLL > 1: the loop body repeated, so a later tile's load can issue before an earlier tile's FMAs wait
+        for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = o_k < K
             m_w = m_n[:, None] & m_k[None, :]
@@ -1260,11 +1300,18 @@ if HAS_TRITON:
                 b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)  # [BN, BK], read once for every row of x
                 if SWIGLU:  # the up rows sit N rows below the gate rows of the packed gate|up matrix
                     b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
-            if BLOCK_M == 1:  # one row: elementwise FMAs into a [BN, BK] accumulator, reduced once after the loop
-                b_x = tl.load(x_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
-                acc2 += b_w * b_x[None, :]
-                if SWIGLU:
-                    acc2_u += b_wu * b_x[None, :]
+            if ROW_ACC:  # elementwise FMAs into a [BM,] BN, BK accumulator, reduced once after the loop
+                if BLOCK_M == 1:
+                    b_x = tl.load(x_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
+                    acc2 += b_w * b_x[None, :]
+                    if SWIGLU:
+                        acc2_u += b_wu * b_x[None, :]
+                else:  # rows past M re-read row M-1; their store is masked
+                    p_x = x_ptr + tl.minimum(o_m, M - 1)[:, None] * stride_xm + o_k[None, :]
+                    b_x = tl.load(p_x, mask=m_k[None, :], other=0.0).to(tl.float32)  # [BM, BK]
+                    acc3 += b_w[None, :, :] * b_x[:, None, :]
+                    if SWIGLU:
+                        acc3_u += b_wu[None, :, :] * b_x[:, None, :]
             else:
                 for i_m in tl.static_range(BLOCK_M):
                     # rows past M (BLOCK_M is M rounded up to a power of two) re-read row M-1; their store is masked
@@ -1273,10 +1320,15 @@ if HAS_TRITON:
                     acc = tl.where(sel, acc + tl.sum(b_w * b_x[None, :], axis=1)[None, :], acc)
                     if SWIGLU:
                         acc_u = tl.where(sel, acc_u + tl.sum(b_wu * b_x[None, :], axis=1)[None, :], acc_u)
-        if BLOCK_M == 1:
-            acc = tl.sum(acc2, axis=1)[None, :]
-            if SWIGLU:
-                acc_u = tl.sum(acc2_u, axis=1)[None, :]
+        if ROW_ACC:
+            if BLOCK_M == 1:
+                acc = tl.sum(acc2, axis=1)[None, :]
+                if SWIGLU:
+                    acc_u = tl.sum(acc2_u, axis=1)[None, :]
+            else:
+                acc = tl.sum(acc3, axis=2)
+                if SWIGLU:
+                    acc_u = tl.sum(acc3_u, axis=2)
         b_y = _round_to(acc, dt)  # the linear's output, rounded once as cuBLAS rounds it
         if SWIGLU:  # stock: silu(gate) rounded, times up (rounded), rounded
             b_s = _round_to(b_y / (1.0 + tl.exp(-b_y)), dt)
@@ -1320,7 +1372,8 @@ def gemv(
     Args:
         x: [M, K], 1 <= M <= 16, float32 / bfloat16 / float16, last dim contiguous (any row stride).
         w: [N, K] contiguous, x's dtype and device; with `gate_up`, [2*I, K] (gate rows, then up rows).
-        config: (BLOCK_N, BLOCK_K, num_warps); default the first of `_GEMV_CONFIGS`.
+        config: a `GemvConfig` or a tuple of its fields (BLOCK_N, BLOCK_K, num_warps[, sum_per_tile[, unroll]]);
+            default the first of `_GEMV_CONFIGS`.
         conv: optional `(conv_state [M, C, W], weight [C, W], bias [C] or None)` as `causal_conv1d_step` takes
             them, C <= N, not with `gate_up`: columns [0, C) of the output are the conv step of the linear's
             (rounded) output, and conv_state is updated in place. Saves the conv step's launch: each program owns
@@ -1368,8 +1421,13 @@ def gemv(
             _check_last_dim_contiguous("conv bias", conv_b)
         bias = {"conv_bias": conv_b} if conv_b is not None else {}
         _check_same_device(x=x, conv_state=state, conv_weight=conv_w, **bias)
-    BLOCK_N, BLOCK_K, num_warps = config or _GEMV_CONFIGS[0]
+    cfg = GemvConfig(*(config or _GEMV_CONFIGS[0]))
+    if cfg.unroll < 1:
+        raise ValueError(f"gemv's unroll must be 1 or more, got {cfg.unroll}.")
+    BLOCK_N, BLOCK_K, num_warps = cfg.block_n, cfg.block_k, cfg.warps
     BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
+    BLOCK_M = triton.next_power_of_2(M)
+    row_acc = _gemv_row_acc(cfg, BLOCK_M, BLOCK_K, gate_up)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     with _device_guard(x):
         pdl = pdl_enabled(x.device)
@@ -1377,8 +1435,8 @@ def gemv(
             x, w, y, state, conv_w, conv_b if conv_b is not None else conv_w, M, N, K, C, x.stride(0), y.stride(0),
             *(state.stride() if conv is not None else (0, 0, 0)), conv_w.stride(0),
             SWIGLU=gate_up, CONV=conv is not None, CONV_W=W, CONV_BIAS=conv_b is not None,
-            BLOCK_M=triton.next_power_of_2(M), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_W=triton.next_power_of_2(W),
-            num_warps=num_warps,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_W=triton.next_power_of_2(W),
+            ROW_ACC=row_acc, UNROLL=cfg.unroll, num_warps=num_warps,
             PDL=pdl,
             **_pdl_launch(pdl),
         )

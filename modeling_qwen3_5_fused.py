@@ -1714,7 +1714,7 @@ class _FusedPreTrainedMixin:
             # the per-shape choice of small_linear, timed at a first decode step in this process
             "linears": {
                 f"{m}x{n}x{k}{' gate|up+SwiGLU' if gate_up else ''} {str(dtype).removeprefix('torch.')} {dev}":
-                "cublas" if choice == "cublas" else "gemv (BLOCK_N, BLOCK_K, warps) = {}".format(choice)
+                "cublas" if choice == "cublas" else f"gemv {choice!r}"
                 for (m, n, k, gate_up, dtype, dev), choice in small_linear_choices().items()
             },
             "reason": reason,

@@ -23,8 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.common import import_repo, real_text_kwargs  # noqa: E402
 
 COPY_TB_S = 4.2  # the H200's device copy rate measured by benchmark_latency.py (4.17-4.22 TB/s in its runs)
-# The configs of fused_ops._GEMV_CONFIGS plus the others of the first sweep, so a sweep can show a better one.
-EXTRA_CONFIGS = ((4, 1024, 4), (16, 256, 8), (4, 2048, 8), (8, 1024, 8))
+# The configs of fused_ops._GEMV_CONFIGS plus the others of the first sweep and small tiles whose accumulator fits at
+# 8 rows, and every config with its tile loop unrolled 2 and 4 times, so a sweep can show a better one.
+_OTHERS = ((4, 1024, 4, False), (16, 256, 8, False), (4, 2048, 8, False), (8, 1024, 8, False),
+           (1, 256, 4, False), (2, 256, 4, False), (4, 128, 4, False), (1, 512, 4, False), (2, 512, 8, False),
+           (4, 256, 8, False))
+
+
+def extra_configs(fused_ops) -> tuple:
+    base = [fused_ops.GemvConfig(*c) for c in (*fused_ops._GEMV_CONFIGS, *_OTHERS)]
+    return tuple(c._replace(unroll=u) for u in (1, 2, 4) for c in base)
 
 
 def decode_linears(size: str) -> dict:
@@ -46,7 +54,7 @@ def decode_linears(size: str) -> dict:
 
 
 def sweep(fused_ops, sizes, rows, dtype) -> dict:
-    configs = tuple(dict.fromkeys(fused_ops._GEMV_CONFIGS + EXTRA_CONFIGS))
+    configs = tuple(dict.fromkeys(fused_ops._GEMV_CONFIGS + extra_configs(fused_ops)))
     results = {}
     for size in sizes:
         for name, (N, K, gate_up) in decode_linears(size).items():

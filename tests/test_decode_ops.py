@@ -505,9 +505,20 @@ def test_gemv_cpu(dtype, M, N, K, gate_up):
     check_gemv("cpu", dtype, M, N, K, gate_up, config=(4, 32, 1))
 
 
-@pytest.mark.parametrize("config", [(8, 16, 1), (4, 64, 2)])
-def test_gemv_configs_cpu(config):
-    check_gemv("cpu", torch.bfloat16, 2, 21, 50, True, config=config)
+@pytest.mark.parametrize("config", [(8, 16, 1), (4, 64, 2), (4, 16, 1, True), (4, 16, 1, False), (4, 16, 1, False, 2),
+                                    (2, 8, 1, True, 3), (4, 16, 1, False, 4)])
+@pytest.mark.parametrize("M", [1, 2])
+def test_gemv_configs_cpu(config, M):
+    """Every config field on CPU (interpreter): K = 50 over tiles of 8 / 16 / 64 leaves a partial tile, and with
+    `unroll` a partial unrolled step."""
+    check_gemv("cpu", torch.bfloat16, M, 21, 50, True, config=config)
+    check_gemv("cpu", torch.float32, M, 21, 50, False, config=config)
+
+
+def test_gemv_rejects_a_bad_unroll():
+    x, w = torch.randn(1, 16), torch.randn(4, 16)
+    with pytest.raises(ValueError, match="unroll must be 1 or more, got 0"):
+        fused_ops.gemv(x, w, config=(4, 16, 1, False, 0))
 
 
 def check_gemv_conv(device, dtype, M, N, K, C, W=4, config=None, bias=False, seed=0):
@@ -623,17 +634,20 @@ compile_(fused_ops._gated_delta_rule_step_kernel,
          dict(GROUP=2, K=128, V=128, BLOCK_K=128, BLOCK_V=32), 4)
 for block_m in (1, 8):
     for epilogue in ("plain", "swiglu", "conv"):
-        for block_n, block_k, warps in fused_ops._GEMV_CONFIGS:
+        for c in fused_ops._GEMV_CONFIGS + (fused_ops.GemvConfig(2, 1024, 4, False, 2),
+                                            fused_ops.GemvConfig(2, 256, 4, False, 4)):
             compile_(fused_ops._gemv_kernel,
                      dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", s_ptr="*bf16", cw_ptr="*bf16", cb_ptr="*bf16"),
                      dict(SWIGLU=epilogue == "swiglu", CONV=epilogue == "conv", CONV_W=4, CONV_BIAS=False,
-                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_W=4), warps)
+                          BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_W=4,
+                          ROW_ACC=fused_ops._gemv_row_acc(c, block_m, c.block_k, epilogue == "swiglu"),
+                          UNROLL=c.unroll), c.warps)
 """
 
 
 def test_kernels_compile_for_sm90():
-    """The real-shape variants of this file's kernels compile for sm_90."""
-    assert compile_for_sm90(_SM90_CALLS) == 2 + 6 * len(fused_ops._GEMV_CONFIGS)
+    """The real-shape variants of this file's kernels compile for sm_90 (the GEMV's configs, and two unrolled)."""
+    assert compile_for_sm90(_SM90_CALLS) == 2 + 6 * (len(fused_ops._GEMV_CONFIGS) + 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
