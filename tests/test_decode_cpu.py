@@ -5,7 +5,7 @@ what is tested is everything around the kernels, on both ends of the supported t
 ``FusedDecodeCache`` that ``generate`` gets, the fused prefill writing into its preallocated buffers, the single-token
 step on those buffers (positions, padding mask, in-place K/V and state updates), bucket reuse across calls, the
 fallbacks (one log line each) and the errors. CUDA graphs and the kernels themselves are tested on the GPU
-(``test_model_cuda.py``, ``test_decode_ops.py``).
+(``test_model_cuda.py``, ``test_decode_ops.py``); the decode step's rotary test runs here on both.
 """
 
 import logging
@@ -416,16 +416,17 @@ class _Positions:
                          ids=["real-4B", "tiny"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_step_rope_equals_stock_rotary(rope, sections, head_dim, factor, dtype, batch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_step_rope_equals_stock_rotary(rope, sections, head_dim, factor, dtype, batch, device):
     """The decode step's cos / sin (a per-dimension gather of the t / h / w position row and the frequency) are
     bit-identical to stock's rotary module, for distinct t / h / w positions (a multimodal prompt's), large
-    positions, and a type whose attention scaling is not 1 (yarn)."""
-    rot = _rotary(ROPES[rope], sections, head_dim, factor)
-    plan = modeling._rope_plan(rot, "cpu")
+    positions, and a type whose attention scaling is not 1 (yarn); on the CPU and (a CUDA test) on the GPU."""
+    rot = _rotary(ROPES[rope], sections, head_dim, factor).to(device)
+    plan = modeling._rope_plan(rot, device)
     assert plan is not None
     gen = torch.Generator().manual_seed(batch)
-    positions = torch.randint(0, 200_000, (3, batch, 1), generator=gen)
-    h = torch.zeros(batch, 1, 64, dtype=dtype)
+    positions = torch.randint(0, 200_000, (3, batch, 1), generator=gen).to(device)
+    h = torch.zeros(batch, 1, 64, dtype=dtype, device=device)
     cos, sin = modeling._DecodeState._step_rope(_Positions(plan, positions), rot, h)
     want_cos, want_sin = rot(h, positions)
     assert cos.shape == want_cos.shape and cos.dtype == dtype and cos.is_contiguous()
