@@ -514,6 +514,31 @@ def _graph_pool(text_model):
     return text_model._forward_graph_pool
 
 
+# Rotary types whose module computes cos / sin from a fixed ``inv_freq`` (no per-call update, unlike the dynamic and
+# longrope types): for these the decode step computes stock's values itself, in fewer launches (``_step_rope``).
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_plan(rot, device) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """For stock's interleaved-mRoPE text rotary module ``rot`` with a static type: ``(sections [R], freq_index [R],
+    attention_scaling)``, R = 2 * len(inv_freq) the rotary dims of cos / sin: dimension d reads position row
+    ``sections[d]`` (0 / 1 / 2 = t / h / w, stock's ``recomposition_frequencies``) and frequency
+    ``inv_freq[freq_index[d]]`` (``d mod R/2``, stock's ``cat((f, f))``). None for any other module (a subclass's
+    forward, a dynamic type), which the step then calls as it is."""
+    if (
+        type(rot).forward is not stock.Qwen3_5TextRotaryEmbedding.forward
+        or getattr(rot, "rope_type", None) not in _STATIC_ROPE_TYPES
+        or not hasattr(rot, "recomposition_frequencies")
+    ):
+        return None
+    half = rot.inv_freq.shape[0]
+    sections = torch.zeros(half, dtype=torch.long)
+    for row, offset in ((1, 1), (2, 2)):  # as recomposition_frequencies: h at 1, 4, 7, ...; w at 2, 5, 8, ...
+        sections[offset : rot.mrope_section[row] * 3 : 3] = row
+    freq_index = torch.arange(half)
+    return sections.repeat(2).to(device), freq_index.repeat(2).to(device), float(rot.attention_scaling)
+
+
 class _DecodeState:
     """The fixed-address tensors one decode bucket keeps across ``generate`` calls, and its CUDA graph.
 
@@ -569,6 +594,7 @@ class _DecodeState:
         self.positions = torch.zeros(3, batch, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.rope = _rope_plan(text_model.rotary_emb, device)
 
     def nbytes(self) -> int:
         tensors = [*self.conv.values(), *self.recurrent.values(), *self.keys.values(), *self.values.values()]
@@ -601,7 +627,7 @@ class _DecodeState:
         Returns the final-norm hidden state [B, 1, hidden]."""
         self.key_valid.index_fill_(1, self.slot, True)
         h = self.embeds  # the residual stream
-        cos, sin = text_model.rotary_emb(h, self.positions)
+        cos, sin = self._step_rope(text_model.rotary_emb, h)
         if self.multi_device:  # the rotary module may sit on another device than the embeddings
             cos, sin = cos.to(self.device), sin.to(self.device)
         mlp_out = None  # each layer's MLP output is added to the stream inside the next norm (one launch, not two)
@@ -632,6 +658,21 @@ class _DecodeState:
         if h.device != norm.weight.device:
             h, mlp_out = h.to(norm.weight.device), mlp_out.to(norm.weight.device)
         return rms_norm(mlp_out, norm.weight, norm.eps, residual=h)[0]
+
+    def _step_rope(self, rot, h):
+        """cos, sin [B, 1, R] in h's dtype for ``positions``, equal to stock's ``rot(h, positions)``: the same float32
+        angle (position times frequency) through the same cos / sin, in 8 launches where stock's module takes 14
+        (its recomposition of the t / h / w rows copies slices and concatenates; here each dimension gathers its
+        row and frequency first)."""
+        if self.rope is None:
+            return rot(h, self.positions)
+        sections, freq_index, scaling = self.rope
+        pos = self.positions[:, :, 0].T.index_select(1, sections).float()  # [B, R], contiguous
+        angles = pos * rot.inv_freq.float().index_select(0, freq_index)
+        cos, sin = angles.cos(), angles.sin()
+        if scaling != 1.0:  # stock multiplies by it in float32 (by 1.0 it changes nothing)
+            cos, sin = cos * scaling, sin * scaling
+        return cos.to(h.dtype)[:, None], sin.to(h.dtype)[:, None]
 
     def _deltanet_step(self, m, x, i):
         B = self.batch

@@ -5,7 +5,7 @@ what is tested is everything around the kernels, on both ends of the supported t
 ``FusedDecodeCache`` that ``generate`` gets, the fused prefill writing into its preallocated buffers, the single-token
 step on those buffers (positions, padding mask, in-place K/V and state updates), bucket reuse across calls, the
 fallbacks (one log line each) and the errors. CUDA graphs and the kernels themselves are tested on the GPU
-(``test_model_cuda.py``, ``test_decode_ops.py``).
+(``test_model_cuda.py``, ``test_decode_ops.py``); the decode step's rotary test runs here on both.
 """
 
 import logging
@@ -384,3 +384,61 @@ def test_lm_head_of_a_step_goes_through_small_linear_unless_wrapped(monkeypatch)
         _assert_same(a, b)
         vocab_shape = tuple(fused.lm_head.weight.shape)
         assert (vocab_shape in seen) is not with_bias, (with_bias, seen)
+
+
+ROPES = {
+    "default": {"rope_type": "default"},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},  # scaling 1.139
+    "linear": {"rope_type": "linear", "factor": 2.0},
+}
+
+
+def _rotary(rope: dict, sections, head_dim: int, factor: float):
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    config = Qwen3_5TextConfig(
+        hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=4096,
+        rope_parameters={"rope_theta": 1e7, "mrope_section": sections, "partial_rotary_factor": factor, **rope},
+    )
+    return Qwen3_5TextRotaryEmbedding(config)
+
+
+class _Positions:
+    """The two attributes of a `_DecodeState` that `_step_rope` reads."""
+
+    def __init__(self, rope, positions):
+        self.rope, self.positions = rope, positions
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+@pytest.mark.parametrize("sections,head_dim,factor", [([11, 11, 10], 256, 0.25), ([2, 1, 1], 32, 0.5)],
+                         ids=["real-4B", "tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_step_rope_equals_stock_rotary(rope, sections, head_dim, factor, dtype, batch, device):
+    """The decode step's cos / sin (a per-dimension gather of the t / h / w position row and the frequency) are
+    bit-identical to stock's rotary module, for distinct t / h / w positions (a multimodal prompt's), large
+    positions, and a type whose attention scaling is not 1 (yarn); on the CPU and (a CUDA test) on the GPU."""
+    rot = _rotary(ROPES[rope], sections, head_dim, factor).to(device)
+    plan = modeling._rope_plan(rot, device)
+    assert plan is not None
+    gen = torch.Generator().manual_seed(batch)
+    positions = torch.randint(0, 200_000, (3, batch, 1), generator=gen).to(device)
+    h = torch.zeros(batch, 1, 64, dtype=dtype, device=device)
+    cos, sin = modeling._DecodeState._step_rope(_Positions(plan, positions), rot, h)
+    want_cos, want_sin = rot(h, positions)
+    assert cos.shape == want_cos.shape and cos.dtype == dtype and cos.is_contiguous()
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+
+
+def test_step_rope_calls_a_dynamic_rotary_as_it_is():
+    """A rotary type that updates its frequencies per call (dynamic) gets no plan: the step calls the module."""
+    rot = _rotary({"rope_type": "dynamic", "factor": 2.0}, [2, 1, 1], 32, 0.5)
+    assert modeling._rope_plan(rot, "cpu") is None
+    positions = torch.randint(0, 5000, (3, 2, 1))
+    h = torch.zeros(2, 1, 64)
+    cos, sin = modeling._DecodeState._step_rope(_Positions(None, positions), rot, h)
+    want_cos, want_sin = rot(h, positions)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
