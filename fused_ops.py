@@ -1494,6 +1494,19 @@ def _timing_stream(device: int) -> "torch.cuda.Stream":
     return _timing_streams[device]
 
 
+def reset_rng_after_failed_capture() -> None:
+    """Give the current device's default CUDA generator a fresh state (same seed, same offset) after a failed graph
+    capture.
+
+    torch's `CUDAGraph.capture_end` raises on an invalidated capture before it takes the generators it registered
+    out of capture mode, and every later random op on the device then fails ("Offset increment outside graph
+    capture encountered unexpectedly"): `generate`'s sampling included. A cloned state is not in capture mode.
+    Graphs captured before keep the old state and advance it on replay, not the new one (the graphs of this repo
+    draw no random numbers)."""
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    gen.graphsafe_set_state(gen.clone_state())
+
+
 def _time_in_graph_ms(call, weights: list[torch.Tensor], passes: int = 2) -> float:
     """Median ms per call of `call(w)`, run over `weights` `passes` times inside one CUDA graph, over
     `_TIMING_REPLAYS` replays (host syncs and a capture: used outside capture only). The first call of each weight
@@ -1506,11 +1519,15 @@ def _time_in_graph_ms(call, weights: list[torch.Tensor], passes: int = 2) -> flo
             call(w)
         graph.capture_begin()
         try:
-            for _ in range(passes):
-                for w in weights:
-                    call(w)
-        finally:
-            graph.capture_end()
+            try:
+                for _ in range(passes):
+                    for w in weights:
+                        call(w)
+            finally:
+                graph.capture_end()
+        except Exception:
+            reset_rng_after_failed_capture()
+            raise
     torch.cuda.current_stream().wait_stream(side)
     graph.replay()
     times = []

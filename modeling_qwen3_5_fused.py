@@ -82,6 +82,7 @@ from .fused_ops import (
     kernels_available,
     pdl_enabled,
     prefill_rule_kernel,
+    reset_rng_after_failed_capture,
     rms_norm,
     sigmoid_gate_mul,
     small_linear,
@@ -737,6 +738,7 @@ class _DecodeState:
             with torch.cuda.graph(graph):
                 out = self.step(text_model)
         except Exception as err:  # noqa: BLE001 - any capture failure: decode eagerly, said once
+            reset_rng_after_failed_capture()
             self.graph = False
             _announce(
                 f"graph-capture/{type(err).__name__}",
@@ -1381,6 +1383,7 @@ def _capture_graph(text_model, forward, pool, what: str):
         with torch.cuda.graph(graph, pool=pool):
             out = forward()
     except Exception as err:  # noqa: BLE001 - any capture failure: eager, said once
+        reset_rng_after_failed_capture()
         _announce(
             f"graph-capture/{what}/{type(err).__name__}",
             f"Qwen3.5 fused kernels: CUDA graph capture of the {what} failed ({type(err).__name__}: {err}); running "

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import cache_of, ieee_stock, modeling, padded_batch, rel_err, stock_and_fused_lm
+from helpers import cache_of, fused_ops, ieee_stock, modeling, padded_batch, rel_err, stock_and_fused_lm
 
 pytestmark = pytest.mark.cuda
 REPO = Path(__file__).resolve().parents[1]
@@ -112,8 +112,6 @@ def test_programmatic_dependent_launch_changes_nothing_bf16(monkeypatch):
     """With PDL (each kernel of ours may start while the one before drains, and waits on the grid dependency before
     it touches that kernel's output) the graphed step gives the scores of plain launches, bit for bit: a missing
     wait would read a half-written input. 64 tokens, batch 3, left padding, so every kernel of the step runs."""
-    from helpers import fused_ops
-
     if not fused_ops.pdl_enabled(torch.device("cuda")):
         pytest.skip("this GPU or Triton has no programmatic dependent launch")
     _, fused = _pair(torch.bfloat16)
@@ -180,3 +178,28 @@ def test_captured_prefill_matches_stock(dtype, batch, padding, length):
     cache = cache_of(b)
     (graph,) = cache._state.prefill_graphs.values()
     assert graph.graph and cache._pad == modeling._forward_len_bucket(length) - length
+
+
+def _syncing_forward():
+    x = torch.ones(4, device="cuda")
+    return x * float(x.sum().item())  # a host sync: illegal inside a capture, so the capture fails
+
+
+def test_failed_capture_leaves_random_ops_usable(caplog):
+    """A capture that fails (a host sync inside it) is said once and leaves the CUDA generator usable: torch's
+    capture_end raises before it takes the generator out of capture mode, and without the reset every later random
+    op on the device fails, sampling included. Same seed, same numbers as a process in which nothing failed."""
+    _, fused = _pair(torch.bfloat16)
+    text_model = fused._text_model()
+    torch.cuda.manual_seed(7)
+    want = torch.rand(5, device="cuda")
+    torch.cuda.manual_seed(7)
+    with caplog.at_level("WARNING"):
+        assert modeling._capture_graph(text_model, _syncing_forward, torch.cuda.graph_pool_handle(), "test") is None
+    assert any("capture of the test failed" in r.getMessage() for r in caplog.records)
+    assert torch.equal(torch.rand(5, device="cuda"), want)
+    torch.multinomial(torch.ones(3, 10, device="cuda"), 1)
+    w = torch.ones(8, device="cuda")
+    with pytest.raises(Exception):  # noqa: B017 - whatever CUDA / torch raises for the invalidated capture
+        fused_ops._time_in_graph_ms(lambda w_: w_ * float(w_.sum().item()), [w])
+    torch.rand(5, device="cuda")
