@@ -303,8 +303,11 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
             if device.type == "cuda":
                 torch.cuda.synchronize()
 
+        warm_ms = []
         for _ in range(2):  # warm: autotune, the decode step's graph (first call), the prompt's graph (second call)
+            t0 = time.perf_counter()
             run(4)
+            warm_ms.append((time.perf_counter() - t0) * 1e3)
         per_tokens, firsts = [], []
         for rep in range(max(1, repeats)):
             t0 = time.perf_counter()
@@ -322,7 +325,11 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
         # first_token_ms: a whole generate call for one new token (prompt forward + LM head + generate's set-up)
         out[name] = {"ms_per_token": per_token, "tokens_per_s": batch * 1e3 / per_token,
                      "ms_per_token_stats": summary(per_tokens), "ms_per_token_range": [min(per_tokens), max(per_tokens)],
-                     "first_token_ms": statistics.median(firsts)}
+                     "first_token_ms": statistics.median(firsts),
+                     # the first two 4-token calls of this variant in the process: what a first `generate` pays for
+                     # compiling, autotuning, small_linear's timing and the captures (compiled kernels may come from
+                     # Triton's on-disk cache, and an earlier variant or batch may have compiled some already)
+                     "warmup_calls_ms": warm_ms}
         if device.type == "cuda":
             out[name]["peak_bytes"] = peak
         if graphs is not None:
@@ -340,7 +347,8 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
             fused_ops.PDL_ENABLED = True
             model.set_fused_kernels(False).set_fused_kernels(True)
         log(f"decode batch={batch} {name}: {per_token:.3f} ms/token (median of {len(per_tokens)}; "
-            f"{min(per_tokens):.3f} to {max(per_tokens):.3f}), first token {out[name]['first_token_ms']:.2f} ms")
+            f"{min(per_tokens):.3f} to {max(per_tokens):.3f}), first token {out[name]['first_token_ms']:.2f} ms, "
+            f"warm-up calls {warm_ms[0]:.0f} / {warm_ms[1]:.0f} ms")
     return out
 
 

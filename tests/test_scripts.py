@@ -26,6 +26,7 @@ def test_benchmark_runs_on_cpu(tmp_path):
     assert set(tiny["decode"]) == {"1", "2"} and math.isfinite(tiny["decode"]["2"]["fused"]["ms_per_token"])
     fused_decode = tiny["decode"]["1"]["fused"]
     assert fused_decode["ms_per_token_stats"]["n"] == 2  # --decode-repeats
+    assert len(fused_decode["warmup_calls_ms"]) == 2 and all(t > 0 for t in fused_decode["warmup_calls_ms"])
     low, high = fused_decode["ms_per_token_range"]
     assert low <= fused_decode["ms_per_token"] <= high
     assert tiny["params"]["tied"] and tiny["params"]["weight_bytes"] > 0
