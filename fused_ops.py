@@ -1276,14 +1276,17 @@ if HAS_TRITON:
             else:
                 acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
                 acc3_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if PDL:  # the first weight tile loads while the kernel before drains (no kernel writes the weights)
+        if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-            o_k = tl.arange(0, BLOCK_K)
-            m_w = m_n[:, None] & (o_k < K)[None, :]
-            p_w = w_ptr + o_n.to(tl.int64)[:, None] * K + o_k[None, :]
-            b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)
-            if SWIGLU:
-                b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
+        # the first weight tile, loaded before the loop: with PDL, while the kernel before drains (no kernel writes
+        # the weights); [BN, BK], read once for every row of x
+        o_k = tl.arange(0, BLOCK_K)
+        m_w = m_n[:, None] & (o_k < K)[None, :]
+        p_w = w_ptr + o_n.to(tl.int64)[:, None] * K + o_k[None, :]
+        b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)
+        if SWIGLU:  # the up rows sit N rows below the gate rows of the packed gate|up matrix
+            b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
+        if PDL:
             tl.extra.cuda.gdc_wait()  # then x, written by an earlier kernel
         # UNROLL > 1: the loop body repeated, so a later tile's load can issue before an earlier tile's FMAs wait
         for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
@@ -1291,14 +1294,9 @@ if HAS_TRITON:
             m_k = o_k < K
             m_w = m_n[:, None] & m_k[None, :]
             p_w = w_ptr + o_n.to(tl.int64)[:, None] * K + o_k[None, :]
-            if PDL:
-                if k0 > 0:  # tile 0 was loaded before the wait
-                    b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)
-                    if SWIGLU:
-                        b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
-            else:
-                b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)  # [BN, BK], read once for every row of x
-                if SWIGLU:  # the up rows sit N rows below the gate rows of the packed gate|up matrix
+            if k0 > 0:  # tile 0 was loaded before the loop
+                b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)
+                if SWIGLU:
                     b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
             if ROW_ACC:  # elementwise FMAs into a [BM,] BN, BK accumulator, reduced once after the loop
                 if BLOCK_M == 1:
@@ -1507,6 +1505,17 @@ def reset_rng_after_failed_capture() -> None:
     gen.graphsafe_set_state(gen.clone_state())
 
 
+def capture_error(err: BaseException) -> BaseException:
+    """The error that failed a graph capture. Leaving `torch.cuda.graph` after an error in its body calls
+    `capture_end`, which raises its own "operation failed due to a previous error during capture" over the first
+    error: that one is in the chain's `__context__`."""
+    seen = {id(err)}
+    while err.__context__ is not None and id(err.__context__) not in seen:
+        err = err.__context__
+        seen.add(id(err))
+    return err
+
+
 def _time_in_graph_ms(call, weights: list[torch.Tensor], passes: int = 2) -> float:
     """Median ms per call of `call(w)`, run over `weights` `passes` times inside one CUDA graph, over
     `_TIMING_REPLAYS` replays (host syncs and a capture: used outside capture only). The first call of each weight
@@ -1519,12 +1528,16 @@ def _time_in_graph_ms(call, weights: list[torch.Tensor], passes: int = 2) -> flo
             call(w)
         graph.capture_begin()
         try:
-            try:
-                for _ in range(passes):
-                    for w in weights:
-                        call(w)
-            finally:
+            for _ in range(passes):
+                for w in weights:
+                    call(w)
+        except Exception:  # end the capture without letting its "previous error during capture" hide this one
+            with contextlib.suppress(Exception):
                 graph.capture_end()
+            reset_rng_after_failed_capture()
+            raise
+        try:
+            graph.capture_end()
         except Exception:
             reset_rng_after_failed_capture()
             raise

@@ -74,6 +74,7 @@ from .configuration_qwen3_5_fused import (
 from .fused_ops import (
     HAS_FLA,
     attn_prep,
+    capture_error,
     decode_attention,
     deltanet_prep,
     gated_delta_rule_prefill,
@@ -739,6 +740,7 @@ class _DecodeState:
                 out = self.step(text_model)
         except Exception as err:  # noqa: BLE001 - any capture failure: decode eagerly, said once
             reset_rng_after_failed_capture()
+            err = capture_error(err)
             self.graph = False
             _announce(
                 f"graph-capture/{type(err).__name__}",
@@ -1384,6 +1386,7 @@ def _capture_graph(text_model, forward, pool, what: str):
             out = forward()
     except Exception as err:  # noqa: BLE001 - any capture failure: eager, said once
         reset_rng_after_failed_capture()
+        err = capture_error(err)
         _announce(
             f"graph-capture/{what}/{type(err).__name__}",
             f"Qwen3.5 fused kernels: CUDA graph capture of the {what} failed ({type(err).__name__}: {err}); running "

@@ -744,6 +744,11 @@ def test_allocations_cuda():
         torch.cuda.synchronize()
 
 
+# Beyond `_GEMV_CONFIGS`: what `scripts/benchmark_gemv.py` sweeps (unrolled loops, small tiles whose accumulator
+# fits at several rows), so a sweep winner added to the configs has already run on the GPU.
+_GEMV_CUDA_EXTRA = ((8, 512, 4, False, 2), (2, 1024, 4, False, 4), (2, 256, 4), (4, 128, 4, False, 2))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("M", [1, 3, 8])
@@ -753,7 +758,7 @@ def test_allocations_cuda():
     ids=["4B-deltanet-in", "4B-out", "4B-gate-up", "4B-down", "0.8B-down"],
 )
 def test_gemv_cuda(dtype, M, N, K, gate_up):
-    for config in fused_ops._GEMV_CONFIGS:
+    for config in (*fused_ops._GEMV_CONFIGS, *_GEMV_CUDA_EXTRA):
         check_gemv("cuda", dtype, M, N, K, gate_up, config=config)
 
 
@@ -765,6 +770,26 @@ def test_gemv_cuda(dtype, M, N, K, gate_up):
 def test_gemv_conv_cuda(dtype, M, N, K, C):
     for config in fused_ops._GEMV_CONFIGS:
         check_gemv_conv("cuda", dtype, M, N, K, C, config=config)
+
+
+def test_capture_error_names_the_first_error():
+    """Leaving `torch.cuda.graph` after an error calls `capture_end`, whose own error replaces the first one; the
+    announcement names the first (the chain's earliest `__context__`), and stops at a cycle."""
+    def failed_capture():
+        try:
+            raise ValueError("a host sync")
+        finally:
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    with pytest.raises(RuntimeError) as info:
+        failed_capture()
+    first = fused_ops.capture_error(info.value)
+    assert type(first) is ValueError and str(first) == "a host sync"
+    alone = KeyError("x")
+    assert fused_ops.capture_error(alone) is alone
+    a, b = RuntimeError("a"), RuntimeError("b")
+    a.__context__, b.__context__ = b, a
+    assert fused_ops.capture_error(a) is b
 
 
 @pytest.mark.cuda
