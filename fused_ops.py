@@ -1245,9 +1245,13 @@ def _gemv_row_acc(cfg: GemvConfig, block_m: int, block_k: int, gate_up: bool) ->
     return not cfg.sum_per_tile and elems <= _GEMV_ACC_REGS * 32 * cfg.warps
 
 
+# Each the fastest for some decode shape in `scripts/benchmark_gemv.py`'s sweep (H200, 2026-12-01, PERFORMANCE.md):
+# the unrolled ones at one row for the 4B / 0.8B DeltaNet input, gate|up, attention input and 0.8B down projections,
+# the per-tile sum for the LM heads; the first six also cover 9B's shapes, which that sweep did not time.
 _GEMV_CONFIGS = tuple(GemvConfig(*c) for c in (
     (8, 512, 4, False), (2, 1024, 4, False), (2, 2048, 8, False), (4, 512, 4, False), (8, 256, 4, False),
-    (1, 2048, 4, False), (4, 1024, 4, True), (8, 256, 4, True),
+    (1, 2048, 4, False), (4, 1024, 4, True), (8, 256, 4, True), (4, 512, 4, False, 2), (4, 512, 4, False, 4),
+    (1, 512, 4, False, 2), (8, 256, 4, False, 2), (4, 2048, 8, False), (2, 2048, 8, False, 2),
 ))
 _GEMV_MAX_M = 16
 # `gemv`'s / `small_linear`'s optional conv epilogue: (conv_state [M, C, W], conv weight [C, W], bias [C] or None)
