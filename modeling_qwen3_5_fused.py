@@ -526,11 +526,15 @@ def _rope_plan(rot, device) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     attention_scaling)``, R = 2 * len(inv_freq) the rotary dims of cos / sin: dimension d reads position row
     ``sections[d]`` (0 / 1 / 2 = t / h / w, stock's ``recomposition_frequencies``) and frequency
     ``inv_freq[freq_index[d]]`` (``d mod R/2``, stock's ``cat((f, f))``). None for any other module (a subclass's
-    forward, a dynamic type), which the step then calls as it is."""
+    forward, a dynamic type) and for a module on another device than ``device`` (a model split over devices, where
+    accelerate's hook moves the module's inputs to it), which the step then calls as it is."""
+    here, there = torch.device(device), rot.inv_freq.device
     if (
         type(rot).forward is not stock.Qwen3_5TextRotaryEmbedding.forward
         or getattr(rot, "rope_type", None) not in _STATIC_ROPE_TYPES
         or not hasattr(rot, "recomposition_frequencies")
+        or here.type != there.type
+        or None not in (here.index, there.index) and here.index != there.index
     ):
         return None
     half = rot.inv_freq.shape[0]

@@ -433,6 +433,14 @@ def test_step_rope_equals_stock_rotary(rope, sections, head_dim, factor, dtype, 
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
 
 
+def test_step_rope_calls_a_rotary_on_another_device_as_it_is():
+    """A rotary module on another device than the step's buffers (a model split over devices) gets no plan: the step
+    calls the module, through the hook that moves its inputs."""
+    rot = _rotary(ROPES["default"], [2, 1, 1], 32, 0.5)
+    assert modeling._rope_plan(rot, "meta") is None
+    assert modeling._rope_plan(rot, torch.device("cpu")) is not None
+
+
 def test_step_rope_calls_a_dynamic_rotary_as_it_is():
     """A rotary type that updates its frequencies per call (dynamic) gets no plan: the step calls the module."""
     rot = _rotary({"rope_type": "dynamic", "factor": 2.0}, [2, 1, 1], 32, 0.5)
