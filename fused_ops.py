@@ -1210,10 +1210,9 @@ def gated_delta_rule_step_ref(
 # and keeps the faster, so it cannot make a shape slower than cuBLAS.
 # ---------------------------------------------------------------------------------------------------------------------
 
-# (BLOCK_N, BLOCK_K, num_warps, sum_per_tile) tried per shape: the configs that won at least one decode shape of the
-# 0.8B / 4B / 9B models at batch 1 in a sweep of ten (H200, 2026-11-30, weights cold in L2; PERFORMANCE.md). Few rows and long rows
-# (2 x 2048) win the matrices with few outputs (o_proj, out_proj, down_proj), 8 x 256-512 the tall ones (gate|up,
-# in_proj, the LM head). At 8 rows cuBLAS won every shape.
+# `GemvConfig`s tried per shape (`_GEMV_CONFIGS` below). In the sweeps (H200, weights cold in L2; PERFORMANCE.md) few
+# rows and long rows (2 x 1024-2048) win the matrices with few outputs (o_proj, out_proj, down_proj), 1-8 x 256-512
+# the tall ones (gate|up, in_proj, the LM head). At 8 rows cuBLAS won every shape.
 #
 # The fourth field: True sums each weight tile across threads as it goes, False adds the tiles elementwise into a
 # [rows, BLOCK_N, BLOCK_K] accumulator summed once after the loop, where that accumulator takes at most
