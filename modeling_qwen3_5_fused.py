@@ -522,10 +522,10 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _rope_plan(rot, device) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """For stock's interleaved-mRoPE text rotary module ``rot`` with a static type: ``(sections [R], freq_index [R],
+    """For stock's interleaved-mRoPE text rotary module ``rot`` with a static type: ``(sections [R], freqs [R],
     attention_scaling)``, R = 2 * len(inv_freq) the rotary dims of cos / sin: dimension d reads position row
-    ``sections[d]`` (0 / 1 / 2 = t / h / w, stock's ``recomposition_frequencies``) and frequency
-    ``inv_freq[freq_index[d]]`` (``d mod R/2``, stock's ``cat((f, f))``). None for any other module (a subclass's
+    ``sections[d]`` (0 / 1 / 2 = t / h / w, stock's ``recomposition_frequencies``) and float32 frequency
+    ``freqs[d] = inv_freq[d mod R/2]`` (stock's ``cat((f, f))``; a static type never changes ``inv_freq``). None for any other module (a subclass's
     forward, a dynamic type) and for a module on another device than ``device`` (a model split over devices, where
     accelerate's hook moves the module's inputs to it), which the step then calls as it is."""
     here, there = torch.device(device), rot.inv_freq.device
@@ -541,8 +541,8 @@ def _rope_plan(rot, device) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     sections = torch.zeros(half, dtype=torch.long)
     for row, offset in ((1, 1), (2, 2)):  # as recomposition_frequencies: h at 1, 4, 7, ...; w at 2, 5, 8, ...
         sections[offset : rot.mrope_section[row] * 3 : 3] = row
-    freq_index = torch.arange(half)
-    return sections.repeat(2).to(device), freq_index.repeat(2).to(device), float(rot.attention_scaling)
+    freqs = rot.inv_freq.float().repeat(2)
+    return sections.repeat(2).to(device), freqs, float(rot.attention_scaling)
 
 
 class _DecodeState:
@@ -667,14 +667,14 @@ class _DecodeState:
 
     def _step_rope(self, rot, h):
         """cos, sin [B, 1, R] in h's dtype for ``positions``, equal to stock's ``rot(h, positions)``: the same float32
-        angle (position times frequency) through the same cos / sin, in 8 launches where stock's module takes 14
+        angle (position times frequency) through the same cos / sin, in 7 launches where stock's module takes 14
         (its recomposition of the t / h / w rows copies slices and concatenates; here each dimension gathers its
         row and frequency first)."""
         if self.rope is None:
             return rot(h, self.positions)
-        sections, freq_index, scaling = self.rope
+        sections, freqs, scaling = self.rope
         pos = self.positions[:, :, 0].T.index_select(1, sections).float()  # [B, R], contiguous
-        angles = pos * rot.inv_freq.float().index_select(0, freq_index)
+        angles = pos * freqs
         cos, sin = angles.cos(), angles.sin()
         if scaling != 1.0:  # stock multiplies by it in float32 (by 1.0 it changes nothing)
             cos, sin = cos * scaling, sin * scaling
