@@ -1002,9 +1002,9 @@ if HAS_TRITON:
         V: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        PREFETCH_STATE: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
         # program (row, value head, block of V columns); value head i_hv reads key head i_hv // GROUP
         i_b = tl.program_id(0).to(tl.int64)
         i_hv = tl.program_id(1).to(tl.int64)
@@ -1014,6 +1014,14 @@ if HAS_TRITON:
         m_k = o_k < K
         m_v = o_v < V
         m_s = m_k[:, None] & m_v[None, :]  # [BK, BV]
+        p_s = s_ptr + i_b * stride_s_b + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]  # [BK, BV]
+        if PREFETCH_STATE and PDL:  # the caller vouches that no kernel still running writes the state
+            tl.extra.cuda.gdc_launch_dependents()
+            b_s = tl.load(p_s, mask=m_s, other=0.0)  # the state tile loads while the kernel before drains
+            tl.extra.cuda.gdc_wait()  # then q, k, v, a, b, written by an earlier kernel
+        else:
+            _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
+            b_s = tl.load(p_s, mask=m_s, other=0.0)
 
         # q, k L2-normalised in fp32; q also scaled
         b_q = tl.load(q_ptr + i_b * stride_q_b + i_h * stride_q_h + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
@@ -1035,8 +1043,7 @@ if HAS_TRITON:
         b_beta = _round_to(1.0 / (1.0 + tl.exp(-b_bt)), b_ptr.dtype.element_ty)
 
         b_v = tl.load(v_ptr + i_b * stride_v_b + i_hv * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
-        p_s = s_ptr + i_b * stride_s_b + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]  # [BK, BV]
-        b_s = tl.load(p_s, mask=m_s, other=0.0) * b_decay
+        b_s = b_s * b_decay
         b_kv = tl.sum(b_s * b_k[:, None], axis=0)  # [BV] = S^T k
         b_s += b_k[:, None] * ((b_v - b_kv) * b_beta)[None, :]
         tl.store(p_s, b_s, mask=m_s)
@@ -1056,6 +1063,7 @@ def gated_delta_rule_step(
     state: torch.Tensor,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    prefetch_state: bool = False,
 ) -> torch.Tensor:
     """One decode step of the gated delta rule with its gate and beta, updating the recurrent state in place.
 
@@ -1076,6 +1084,11 @@ def gated_delta_rule_step(
         scale: multiplies the normalised q; default K ** -0.5 (stock's fixed `query / sqrt(K)`).
         out: optional [B, HV, V] in q's dtype, last dim contiguous: written and returned, so the step allocates
             nothing.
+        prefetch_state: with programmatic dependent launch on (`pdl_enabled`), load the state before waiting on
+            the kernel launched before this one, so its read overlaps that kernel's drain. Only for a caller that
+            knows no kernel that may still be running writes `state`: the decode step, where the state's last
+            writer is this kernel one token earlier, hundreds of launches and a graph replay back. Not for two
+            calls in a row on one state: the second would read the state before the first has written it.
 
     Returns:
         o [B, HV, V] in q's dtype (`out` when given, else a new contiguous tensor).
@@ -1161,6 +1174,7 @@ def gated_delta_rule_step(
                 V=V,
                 BLOCK_K=BLOCK_K,
                 BLOCK_V=BLOCK_V,
+                PREFETCH_STATE=bool(prefetch_state),
                 # about 32 state values per thread: 4 warps for the real [128, 32] tile
                 num_warps=max(1, min(8, BLOCK_K * BLOCK_V // (32 * 32))),
                 PDL=pdl,
@@ -1179,8 +1193,10 @@ def gated_delta_rule_step_ref(
     dt_bias: torch.Tensor,
     state: torch.Tensor,
     scale: float | None = None,
+    prefetch_state: bool = False,
 ) -> torch.Tensor:
-    """Plain-torch `gated_delta_rule_step` (state updated in place), rounding as stock does."""
+    """Plain-torch `gated_delta_rule_step` (state updated in place), rounding as stock does. `prefetch_state` is
+    taken and ignored: it orders a kernel's loads, and there is no kernel here."""
     group = v.shape[1] // q.shape[1]
     beta = b.sigmoid().float()[..., None]  # [B, HV, 1], rounded to b's dtype first as stock
     g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())  # [B, HV]

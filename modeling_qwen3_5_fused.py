@@ -697,6 +697,8 @@ class _DecodeState:
             m.A_log,
             m.dt_bias,
             self.recurrent[i],
+            # its last writer is this layer's step one token back: it loads before the PDL wait
+            prefetch_state=True,
         )  # [B, HV, Dv]; the state is updated in place
         core = gated_rms_norm(core, z, m.norm.weight, m.norm.variance_epsilon)  # [B, value_dim]
         return _step_linear(core, m.out_proj.weight, m.out_proj.bias).view(B, 1, -1)

@@ -62,6 +62,7 @@ def compile_(fn, types, constexprs, num_warps):
     assert kernel.asm["cubin"], fn.__name__
     assert not pdl or "griddepcontrol.wait" in kernel.asm["ptx"], fn.__name__ + ": no grid dependency wait"
     print(fn.__name__, "ok")
+    return kernel
 """
 
 

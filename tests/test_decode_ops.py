@@ -199,7 +199,10 @@ def gdr_inputs(device, dtype, B, H, HV, K, V, gen, a_transposed=False):
     return q, k, v, a, b
 
 
-def check_gdr_step(device, dtype, B, H, HV, K, V, use_out=False, strided_state=False, a_transposed=False):
+def check_gdr_step(device, dtype, B, H, HV, K, V, use_out=False, strided_state=False, a_transposed=False,
+                   prefetch=False):
+    """With `prefetch`, the state loads before the PDL wait (`prefetch_state`): safe here because the inputs of each
+    step are made by torch kernels, which end any chain of early launches, after the step before."""
     gen = torch.Generator().manual_seed(0)
     A_log, dt_bias = gdr_params(device, dtype, HV, gen)
     if strided_state:  # [B, HV, K, V] inside a [B, HV, K, V + 8] buffer
@@ -215,7 +218,7 @@ def check_gdr_step(device, dtype, B, H, HV, K, V, use_out=False, strided_state=F
         q, k, v, a, b = gdr_inputs(device, dtype, B, H, HV, K, V, gen, a_transposed)
         if out is not None:
             out.fill_(float("nan"))
-        o = fused_ops.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state, out=out)
+        o = fused_ops.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state, out=out, prefetch_state=prefetch)
         o_stock, state_stock = stock_gdr_step(q, k, v, a, b, A_log, dt_bias, state_stock)
         o_ref = fused_ops.gated_delta_rule_step_ref(q, k, v, a, b, A_log, dt_bias, state_ref)
 
@@ -338,6 +341,13 @@ def test_gated_delta_rule_step_cpu(dtype, B, H, HV, K, V):
 def test_gated_delta_rule_step_strided_state_and_out_cpu():
     """A state with a row stride past V, a transposed `a`, and a strided `out=`."""
     check_gdr_step("cpu", torch.bfloat16, 2, 1, 2, 16, 32, use_out=True, strided_state=True, a_transposed=True)
+
+
+@needs_interpreter
+def test_gated_delta_rule_step_prefetch_flag_cpu():
+    """`prefetch_state` is taken everywhere (it changes only where the state loads under PDL, which the sm_90 compile
+    test checks in the PTX; the CUDA test runs it)."""
+    check_gdr_step("cpu", torch.float32, 2, 1, 2, 16, 32, prefetch=True)
 
 
 @needs_interpreter
@@ -628,10 +638,16 @@ _SM90_CALLS = r"""
 compile_(fused_ops._causal_conv1d_step_kernel,
          dict(x_ptr="*bf16", s_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", y_ptr="*bf16"),
          dict(W=4, HAS_BIAS=False, BLOCK_D=256, BLOCK_W=4), 4)
-compile_(fused_ops._gated_delta_rule_step_kernel,
-         dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", A_log_ptr="*fp32",
-              dt_bias_ptr="*fp32", s_ptr="*fp32", o_ptr="*bf16", scale="fp32", eps="fp32"),
-         dict(GROUP=2, K=128, V=128, BLOCK_K=128, BLOCK_V=32), 4)
+for prefetch in (False, True):
+    kernel = compile_(fused_ops._gated_delta_rule_step_kernel,
+                      dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16",
+                           A_log_ptr="*fp32", dt_bias_ptr="*fp32", s_ptr="*fp32", o_ptr="*bf16", scale="fp32",
+                           eps="fp32"),
+                      dict(GROUP=2, K=128, V=128, BLOCK_K=128, BLOCK_V=32, PREFETCH_STATE=prefetch), 4)
+    ptx = kernel.asm["ptx"]
+    if fused_ops._HAS_GDC:  # with prefetch_state the state's loads come before the wait, else every load after it
+        first_load, wait = ptx.index("ld.global"), ptx.index("griddepcontrol.wait")
+        assert (first_load < wait) == prefetch, ("prefetch_state", prefetch, first_load, wait)
 # every config once, the epilogues and row counts taking turns (each pair of them at least twice)
 configs = fused_ops._GEMV_CONFIGS + (fused_ops.GemvConfig(2, 1024, 4, False, 2), fused_ops.GemvConfig(2, 256, 4, False, 4))
 for i, c in enumerate(configs):
@@ -648,7 +664,7 @@ for i, c in enumerate(configs):
 def test_kernels_compile_for_sm90():
     """The real-shape variants of this file's kernels compile for sm_90 (each GEMV config, and two more unrolled; the
     GPU tests run every config with every epilogue)."""
-    assert compile_for_sm90(_SM90_CALLS) == 2 + len(fused_ops._GEMV_CONFIGS) + 2
+    assert compile_for_sm90(_SM90_CALLS) == 3 + len(fused_ops._GEMV_CONFIGS) + 2
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -689,6 +705,15 @@ def test_gated_delta_rule_step_cuda(dtype, B, H, HV, K, V):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_gated_delta_rule_step_strided_cuda(dtype):
     check_gdr_step("cuda", dtype, 3, 16, 32, 128, 128, use_out=True, strided_state=True, a_transposed=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("B", B_CUDA, ids=lambda b: f"B{b}")
+@pytest.mark.parametrize("HV", [16, 32, 48], ids=["0.8B", "4B", "9B"])
+def test_gated_delta_rule_step_prefetch_cuda(dtype, B, HV):
+    """The state loaded before the PDL wait gives what loading it after does (against stock and the reference)."""
+    check_gdr_step("cuda", dtype, B, 16, HV, 128, 128, use_out=B == 3, prefetch=True)
 
 
 @pytest.mark.cuda
