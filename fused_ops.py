@@ -26,6 +26,8 @@ the input dtype exactly where stock rounds):
 - `gemv` (and `small_linear`, which picks it or cuBLAS per shape by timing both once): the decode step's linears
   for 1-16 rows as one weight read, optionally with the SwiGLU of the packed gate|up projection or the DeltaNet
   conv step (`causal_conv1d_step` on the first columns, state in place) in its epilogue.
+- `mrope_step`: the decode step's rotary cos / sin (stock's interleaved mRoPE), positions moved on in place, one
+  launch.
 """
 
 import contextlib
@@ -2187,3 +2189,102 @@ def decode_attention_ref(q, keys, values, valid, slot, gate, scale):
         q.reshape(B, KV, H // KV, D), keys, values, attn_mask=mask[:, None, None, :], scale=scale
     )  # [B, KV, G, D]
     return sigmoid_gate_mul_ref(o.reshape(B, 1, H, D), gate.view(B, 1, H * D)).view(B, H * D)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 12. The decode step's rotary cos / sin: stock's interleaved mRoPE for one token per row, positions moved on in place
+#
+# Why our own kernel: stock's rotary module takes 14 launches a token (slices and concatenations recomposing the
+# t / h / w rows), and its plain-torch rewrite (`mrope_step_ref`) still 7 plus the positions' increment, each a
+# launch gap on the step's critical path. One program per row gathers each dimension's position and frequency,
+# takes the same float32 angle through the same cos / sin, and moves the positions on after it has read them.
+# ---------------------------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _mrope_step_kernel(
+        pos_ptr, sec_ptr, f_ptr, cos_ptr, sin_ptr, stride_ps, stride_pb, R, scaling,
+        SCALE: tl.constexpr, ADVANCE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        o_r = tl.arange(0, BLOCK_R)
+        m_r = o_r < R
+        b_sec = tl.load(sec_ptr + o_r, mask=m_r, other=0)  # the plan: never written by a kernel, read before the wait
+        b_f = tl.load(f_ptr + o_r, mask=m_r, other=0.0)
+        _pdl_wait(PDL)  # the positions were moved on by the step before
+        b_p = tl.load(pos_ptr + b_sec * stride_ps + b * stride_pb, mask=m_r, other=0)
+        angle = b_p.to(tl.float32) * b_f  # stock: position.float() times inv_freq, one float32 product
+        b_c = tl.cos(angle)
+        b_s = tl.sin(angle)
+        if SCALE:
+            b_c = b_c * scaling
+            b_s = b_s * scaling
+        dt = cos_ptr.dtype.element_ty
+        tl.store(cos_ptr + b * R + o_r, _round_to(b_c, dt).to(dt), mask=m_r)
+        tl.store(sin_ptr + b * R + o_r, _round_to(b_s, dt).to(dt), mask=m_r)
+        if ADVANCE:
+            tl.debug_barrier()  # every thread has read its position before any moves on
+            o_s = tl.arange(0, 4)
+            p_s = pos_ptr + o_s * stride_ps + b * stride_pb
+            tl.store(p_s, tl.load(p_s, mask=o_s < 3, other=0) + 1, mask=o_s < 3)
+
+
+def _check_mrope_step(positions, sections, freqs) -> None:
+    if positions.dim() != 3 or positions.shape[0] != 3 or positions.shape[2] != 1 or positions.dtype != torch.long:
+        raise ValueError(f"mrope_step needs int64 positions [3, B, 1] (t / h / w rows), got {tuple(positions.shape)} "
+                         f"{positions.dtype}.")
+    if sections.dim() != 1 or freqs.shape != sections.shape or freqs.dtype != torch.float32:
+        raise ValueError(f"mrope_step needs sections [R] and float32 freqs [R], got {tuple(sections.shape)} and "
+                         f"{tuple(freqs.shape)} {freqs.dtype}.")
+    _check_same_device(positions=positions, sections=sections, freqs=freqs)
+
+
+def mrope_step(
+    positions: torch.Tensor, sections: torch.Tensor, freqs: torch.Tensor, scaling: float, dtype: torch.dtype,
+    advance: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, R] in `dtype` of one token per row, equal to stock's interleaved-mRoPE rotary module
+    (`Qwen3_5TextRotaryEmbedding` with a static rope type) at `positions`; one launch.
+
+    Args:
+        positions: [3, B, 1] int64, the t / h / w position rows (stock's `position_ids` for one token).
+        sections: [R] int64 (0 / 1 / 2): the position row dimension d reads (the model's `_rope_plan`).
+        freqs: [R] float32: dimension d's frequency, `inv_freq[d mod R/2]`.
+        scaling: the module's `attention_scaling`, multiplied in float32 as stock does (skipped when 1.0, which
+            changes nothing).
+        dtype: float32 / bfloat16 / float16, the hidden states' dtype (stock rounds cos / sin to it).
+        advance: afterwards add 1 to every position in place (a generated text token moves every section on by
+            one), in the same launch.
+    """
+    _check_triton("mrope_step")
+    _check_mrope_step(positions, sections, freqs)
+    if dtype not in _DTYPES:
+        raise ValueError(f"mrope_step's dtype must be float32, bfloat16 or float16, got {dtype}.")
+    B, R = positions.shape[1], sections.shape[0]
+    cos = torch.empty(B, R, dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if B > 0 and R > 0:
+        with _device_guard(positions):
+            pdl = pdl_enabled(positions.device)
+            _mrope_step_kernel[(B,)](
+                positions, sections, freqs, cos, sin, positions.stride(0), positions.stride(1), R, float(scaling),
+                SCALE=float(scaling) != 1.0, ADVANCE=advance, BLOCK_R=triton.next_power_of_2(R), num_warps=1,
+                PDL=pdl, **_pdl_launch(pdl),
+            )
+    return cos, sin
+
+
+def mrope_step_ref(
+    positions: torch.Tensor, sections: torch.Tensor, freqs: torch.Tensor, scaling: float, dtype: torch.dtype,
+    advance: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch `mrope_step`: each dimension gathers its position row and frequency first (7 launches)."""
+    _check_mrope_step(positions, sections, freqs)
+    angles = positions[:, :, 0].T.index_select(1, sections).float() * freqs  # [B, R]
+    cos, sin = angles.cos(), angles.sin()
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    if advance:
+        positions.add_(1)
+    return cos.to(dtype), sin.to(dtype)

@@ -81,6 +81,7 @@ from .fused_ops import (
     gated_delta_rule_step,
     gated_rms_norm,
     kernels_available,
+    mrope_step,
     pdl_enabled,
     prefill_rule_kernel,
     reset_rng_after_failed_capture,
@@ -468,22 +469,18 @@ def _decode_len_bucket(needed: int) -> int:
 
 
 class _WeightsSnapshot:
-    """What a captured graph reads: every parameter of the text model (owner, name, tensor, address) and every
-    submodule (parent, name, module), taken at capture. ``unchanged()`` is checked before each replay: a parameter
+    """What a captured graph reads: every parameter of the given modules (the text model, and the LM head when the
+    graph runs it) (owner, name, tensor, address) and every submodule (parent, name, module), taken at capture. ``unchanged()`` is checked before each replay: a parameter
     replaced (``load_state_dict(..., assign=True)``, assignment, ``.data =``) or a submodule swapped (an adapter
     injected) means the graph would read stale memory, so it is captured again. Checking the snapshot costs a
     fraction of walking the module tree again (~1.2 ms per call at 4B on a CPU-only host)."""
 
-    def __init__(self, text_model):
+    def __init__(self, *roots: nn.Module):
+        modules = [module for root in roots for module in root.modules()]
         self.params = [
-            (module, name, p, p.data_ptr())
-            for module in text_model.modules()
-            for name, p in module._parameters.items()
-            if p is not None
+            (module, name, p, p.data_ptr()) for module in modules for name, p in module._parameters.items() if p is not None
         ]
-        self.children = [
-            (module, name, child) for module in text_model.modules() for name, child in module._modules.items()
-        ]
+        self.children = [(module, name, child) for module in modules for name, child in module._modules.items()]
 
     def unchanged(self) -> bool:
         return all(m._modules.get(n) is c for m, n, c in self.children) and all(
@@ -523,7 +520,7 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 def _rope_plan(rot, device) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """For stock's interleaved-mRoPE text rotary module ``rot`` with a static type: ``(sections [R], freqs [R],
-    attention_scaling)``, R = 2 * len(inv_freq) the rotary dims of cos / sin: dimension d reads position row
+    attention_scaling)`` for ``mrope_step``, R = 2 * len(inv_freq) the rotary dims of cos / sin: dimension d reads position row
     ``sections[d]`` (0 / 1 / 2 = t / h / w, stock's ``recomposition_frequencies``) and float32 frequency
     ``freqs[d] = inv_freq[d mod R/2]`` (stock's ``cat((f, f))``; a static type never changes ``inv_freq``). None for any other module (a subclass's
     forward, a dynamic type) and for a module on another device than ``device`` (a model split over devices, where
@@ -569,6 +566,7 @@ class _DecodeState:
         self.graph = None  # torch.cuda.CUDAGraph once captured; False after a failed capture (eager from then on)
         self.graph_out = None
         self.graph_weights = None
+        self.graph_head = None  # the LM head the graph runs (None: the graph ends at the final norm)
         self.warm = False
         self.owner = None
         self.prefill_graphs = {}  # prompt-length bucket -> _PrefillGraph
@@ -607,7 +605,7 @@ class _DecodeState:
         return sum(t.nbytes for t in tensors)
 
     def drop_graph(self) -> None:
-        self.graph, self.graph_out, self.graph_weights, self.warm = None, None, None, False
+        self.graph, self.graph_out, self.graph_weights, self.graph_head, self.warm = None, None, None, None, False
         self.prefill_graphs, self.prefill_calls = {}, {}
 
     def load_positions(self, position_ids, past: int, seq_len: int, advance: int) -> None:
@@ -633,7 +631,7 @@ class _DecodeState:
         Returns the final-norm hidden state [B, 1, hidden]."""
         self.key_valid.index_fill_(1, self.slot, True)
         h = self.embeds  # the residual stream
-        cos, sin = self._step_rope(text_model.rotary_emb, h)
+        cos, sin = self._step_rope(text_model.rotary_emb, h)  # and the positions move on by one
         if self.multi_device:  # the rotary module may sit on another device than the embeddings
             cos, sin = cos.to(self.device), sin.to(self.device)
         mlp_out = None  # each layer's MLP output is added to the stream inside the next norm (one launch, not two)
@@ -659,26 +657,23 @@ class _DecodeState:
             x, h = rms_norm(y, ln.weight, ln.eps, residual=h)
             mlp_out = self._mlp_step(layer.mlp, x)
         self.slot.add_(1)
-        self.positions.add_(1)  # every mRoPE section of a generated (text) token moves on by one
         norm = text_model.norm
         if h.device != norm.weight.device:
             h, mlp_out = h.to(norm.weight.device), mlp_out.to(norm.weight.device)
         return rms_norm(mlp_out, norm.weight, norm.eps, residual=h)[0]
 
     def _step_rope(self, rot, h):
-        """cos, sin [B, 1, R] in h's dtype for ``positions``, equal to stock's ``rot(h, positions)``: the same float32
-        angle (position times frequency) through the same cos / sin, in 7 launches where stock's module takes 14
-        (its recomposition of the t / h / w rows copies slices and concatenates; here each dimension gathers its
-        row and frequency first)."""
+        """cos, sin [B, 1, R] in h's dtype for ``positions``, equal to stock's ``rot(h, positions)``; then every
+        position moves on by one (every mRoPE section of a generated text token does). With a plan (``_rope_plan``)
+        one launch, ``mrope_step`` (the same float32 angle through the same cos / sin), where stock's module takes
+        14 and the increment one more; any other module is called as it is."""
         if self.rope is None:
-            return rot(h, self.positions)
+            cos, sin = rot(h, self.positions)
+            self.positions.add_(1)
+            return cos, sin
         sections, freqs, scaling = self.rope
-        pos = self.positions[:, :, 0].T.index_select(1, sections).float()  # [B, R], contiguous
-        angles = pos * freqs
-        cos, sin = angles.cos(), angles.sin()
-        if scaling != 1.0:  # stock multiplies by it in float32 (by 1.0 it changes nothing)
-            cos, sin = cos * scaling, sin * scaling
-        return cos.to(h.dtype)[:, None], sin.to(h.dtype)[:, None]
+        cos, sin = mrope_step(self.positions, sections, freqs, scaling, h.dtype, advance=True)
+        return cos[:, None], sin[:, None]
 
     def _deltanet_step(self, m, x, i):
         B = self.batch
@@ -727,23 +722,34 @@ class _DecodeState:
 
     # -- driving it --------------------------------------------------------------------------------------------------
 
-    def decode(self, text_model, use_graph: bool) -> torch.Tensor:
+    def decode(self, text_model, use_graph: bool, head: nn.Linear | None = None) -> torch.Tensor:
+        """One step: with ``head`` (the LM head, see ``_graph_head``) the float32 logits [B, vocab], the head run inside
+        the step and its graph (no launch gap before it, and its first weight tiles load while the final norm runs);
+        without, the final-norm hidden state [B, 1, hidden]."""
+        if self.graph and self.graph_head is not head:  # captured with another head: capture again
+            self.drop_graph()
         if not use_graph or self.graph is False:
-            return self.step(text_model)
+            return self._step_out(text_model, head)
         if self.graph is not None:
             self.graph.replay()
             return self.graph_out
         if not self.warm:  # the first step runs eagerly: it warms (autotunes, JITs) every kernel before capture
             self.warm = True
-            return self.step(text_model)
-        return self._capture_and_replay(text_model)
+            return self._step_out(text_model, head)
+        return self._capture_and_replay(text_model, head)
 
-    def _capture_and_replay(self, text_model) -> torch.Tensor:
+    def _step_out(self, text_model, head: nn.Linear | None) -> torch.Tensor:
+        hidden = self.step(text_model)
+        if head is None:
+            return hidden
+        return small_linear(hidden.view(self.batch, -1), head.weight).float()  # stock's bf16 logits, then .float()
+
+    def _capture_and_replay(self, text_model, head: nn.Linear | None) -> torch.Tensor:
         _pack_all(text_model)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                out = self.step(text_model)
+                out = self._step_out(text_model, head)
         except Exception as err:  # noqa: BLE001 - any capture failure: decode eagerly, said once
             reset_rng_after_failed_capture()
             err = capture_error(err)
@@ -753,8 +759,9 @@ class _DecodeState:
                 f"Qwen3.5 fused kernels: CUDA graph capture of the decode step failed ({type(err).__name__}: {err}); "
                 "decoding with the fused kernels without graphs.",
             )
-            return self.step(text_model)
-        self.graph, self.graph_out, self.graph_weights = graph, out, _WeightsSnapshot(text_model)
+            return self._step_out(text_model, head)
+        roots = (text_model,) if head is None else (text_model, head)
+        self.graph, self.graph_out, self.graph_weights, self.graph_head = graph, out, _WeightsSnapshot(*roots), head
         graph.replay()
         return out
 
@@ -1013,15 +1020,25 @@ class FusedDecodeCache(Cache):
         self._pad = pad
         return BaseModelOutputWithPast(last_hidden_state=hidden[:, pad:].clone())
 
-    def next_token(self, text_model, tokens: torch.Tensor) -> torch.Tensor:
+    def next_logits(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        """The float32 logits [B, vocab] of the step for ``tokens`` [B] (the tokens just chosen), as stock's
+        ``outputs.logits[:, -1].float()``; the LM head runs inside the step when ``_graph_head`` allows. Used by the
+        fused generate loop (``_fused_sample``). With CUDA graphs the result is the graph's output buffer, which the
+        next step overwrites."""
+        text_model = model._text_model()
+        head = _graph_head(model, self._state)
+        out = self.next_token(text_model, tokens, head)
+        return out if head is not None else _step_logits(model, out)[:, -1].float()
+
+    def next_token(self, text_model, tokens: torch.Tensor, head: nn.Linear | None = None) -> torch.Tensor:
         """Run the step for ``tokens`` [B] (the tokens just chosen) at the positions that follow the previous step's;
-        returns the final-norm hidden state [B, 1, hidden]. Used by the fused generate loop (``_fused_sample``)."""
+        returns the final-norm hidden state [B, 1, hidden], or with ``head`` the float32 logits [B, vocab]."""
         st = self._buffers()
         if self._seq_len + self._pad >= st.max_len:
             raise ValueError(f"The fused decode cache holds {st.max_len} tokens and is full.")
         weight = text_model.embed_tokens.weight
         torch.index_select(weight, 0, tokens.to(weight.device), out=st.embeds.view(st.batch, -1))
-        out = st.decode(text_model, self._use_graph)
+        out = st.decode(text_model, self._use_graph, head)
         self._seq_len += 1
         return out
 
@@ -1035,10 +1052,51 @@ class FusedDecodeCache(Cache):
         st.load_positions(position_ids, self._seq_len, 1, advance=0)
 
 
-# Steps between the host's checks that every row has stopped (EOS): each check waits for the GPU, so checking every
-# step would put the host back on the critical path. A finished batch runs at most this many extra steps, which are
-# cut from the output, so the result is stock's.
-_STOP_CHECK_EVERY = 16
+# The host's all-rows-stopped check (EOS) reads the per-step flags in batches of this many steps, and reads a batch
+# only once the next one is queued: it then waits on a copy the GPU made a batch earlier, while the GPU still has a
+# batch of steps queued, so the check never leaves the GPU idle. (Reading each batch as soon as it was queued made the
+# GPU idle while the host queued the next step: ~0.3-0.9 ms every check, H200, PERFORMANCE.md.) A finished batch runs
+# at most 2 * _STOP_CHECK_EVERY - 1 extra steps, which are cut from the output, so the result is stock's.
+_STOP_CHECK_EVERY = 8
+
+
+class _StopFlags:
+    """The per-step 0-dim "every row has stopped" flags of ``_fused_sample``, read by the host a batch at a time.
+
+    ``add`` takes step ``steps``'s flag; every ``every`` steps the batch is copied to the host without blocking it
+    (pinned memory and an event on CUDA) and the batch before it is read (``lag=1``), or this batch at once
+    (``lag=0``: a streamer waits for every token anyway). ``add(final=True)`` reads everything still pending.
+    Returns the first step at which every row had stopped (the step stock stops after), or None."""
+
+    def __init__(self, every: int, lag: int):
+        self.every, self.lag = every, lag
+        self.flags, self.queue = [], []  # queue: (host flags, event or None, steps of its first flag - 1)
+        self.first = 0  # steps before self.flags[0]
+
+    def add(self, flag: torch.Tensor, steps: int, final: bool = False) -> int | None:
+        self.flags.append(flag)
+        if not final and steps % self.every:
+            return None
+        flags = torch.stack(self.flags)
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(flags.device))
+        else:
+            host, event = flags, None
+        self.queue.append((host, event, self.first))
+        self.flags, self.first = [], steps
+        while self.queue and (final or len(self.queue) > self.lag):
+            host, event, first = self.queue.pop(0)
+            if event is not None:
+                event.synchronize()
+            values = host.tolist()
+            if any(values):
+                return first + values.index(True) + 1
+        return None
+
+
 _GENERATE_OUTPUT_CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 
 
@@ -1055,6 +1113,17 @@ def _step_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return head(hidden)
 
 
+def _graph_head(model, state: _DecodeState) -> nn.Linear | None:
+    """The LM head when the decode step can run it itself: a plain bias-free ``nn.Linear`` in the step's dtype, on the
+    device the step ends on (the final norm's). Anything else (a PEFT wrapper, a bias, a dispatched module) runs after
+    the step, as it is (``_step_logits``)."""
+    head = model.lm_head
+    weight = getattr(head, "weight", None)
+    if type(head) is not nn.Linear or head.bias is not None or weight.dtype != state.dtype:
+        return None
+    return head if weight.device == model._text_model().norm.weight.device else None
+
+
 def _fused_sample(model, cache, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs):
     """Greedy / multinomial decoding on a :class:`FusedDecodeCache`: stock ``_sample``'s token rule, with the
     model call reduced to one replayed step plus the LM head, and the all-rows-stopped check batched.
@@ -1062,13 +1131,13 @@ def _fused_sample(model, cache, input_ids, logits_processor, stopping_criteria, 
     Same outputs as stock ``_sample`` (sequences, scores, logits, streamer calls): logits processors, stopping
     criteria and the padding of finished rows run as there, every step.
     """
-    text_model = model._text_model()
     pad = generation_config._pad_token_tensor
     if pad is not None:
         pad = pad.to(input_ids.device)
     ret = generation_config.return_dict_in_generate
     scores = () if ret and generation_config.output_scores else None
     raw_logits = () if ret and generation_config.output_logits else None
+    keep_logits = scores is not None or raw_logits is not None
     has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     max_length = getattr(stopping_criteria, "max_length", None)
     check_every = 1 if streamer is not None else _STOP_CHECK_EVERY
@@ -1078,7 +1147,7 @@ def _fused_sample(model, cache, input_ids, logits_processor, stopping_criteria, 
     logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
     del outputs
     prompt_len = input_ids.shape[1]
-    done_flags = []  # per step: 0-dim "every row has stopped", read by the host every `check_every` steps
+    stops = _StopFlags(check_every, lag=0 if streamer is not None else 1)
     stop_at = None
     while True:
         next_scores = logits_processor(input_ids, logits)
@@ -1096,18 +1165,13 @@ def _fused_sample(model, cache, input_ids, logits_processor, stopping_criteria, 
         unfinished = unfinished & ~stopping_criteria(input_ids, scores)
         if streamer is not None:
             streamer.put(next_tokens.cpu())
-        done_flags.append(unfinished.max() == 0)
-        steps = input_ids.shape[1] - prompt_len
         at_max = max_length is not None and input_ids.shape[1] >= max_length
-        if at_max or steps % check_every == 0:
-            flags = torch.stack(done_flags).tolist()
-            done_flags.clear()
-            if any(flags):
-                stop_at = steps - len(flags) + flags.index(True) + 1  # steps stock would have run
-                break
-            if at_max:
-                break
-        logits = _step_logits(model, cache.next_token(text_model, next_tokens))[:, -1].to(device=input_ids.device, dtype=torch.float32)
+        stop_at = stops.add(unfinished.max() == 0, input_ids.shape[1] - prompt_len, final=at_max)
+        if stop_at is not None or at_max:
+            break
+        logits = cache.next_logits(model, next_tokens).to(device=input_ids.device)
+        if keep_logits:  # the graph's output buffer is overwritten by the next step
+            logits = logits.clone()
 
     if stop_at is not None and stop_at < input_ids.shape[1] - prompt_len:
         extra = input_ids.shape[1] - prompt_len - stop_at

@@ -215,7 +215,7 @@ def emulate_fused_on_cpu(monkeypatch):
     monkeypatch.setattr(modeling, "kernels_available", lambda: None)
     for name in ("rms_norm", "attn_prep", "sigmoid_gate_mul", "swiglu", "small_linear",
                  "gated_delta_rule_step", "deltanet_prep", "gated_rms_norm", "gated_delta_rule_prefill",
-                 "decode_attention"):
+                 "decode_attention", "mrope_step"):
         monkeypatch.setattr(modeling, name, getattr(fused_ops, f"{name}_ref"))
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import helpers
-from helpers import cache_of, composite_kwargs, generate_stock, modeling, rel_err, stock_and_fused_lm
+from helpers import cache_of, composite_kwargs, fused_ops, generate_stock, modeling, rel_err, stock_and_fused_lm
 from helpers import fused_on_cpu  # noqa: F401 - the fixture, used by every test below
 
 pytestmark = pytest.mark.usefixtures("fused_on_cpu")
@@ -271,7 +271,25 @@ def test_generate_runs_the_fused_loop_once_prefilled(monkeypatch):
     assert cache_of(b).get_seq_length() == 6 + 8
 
 
-@pytest.mark.parametrize("stop_after", [1, 5, modeling._STOP_CHECK_EVERY + 3])
+def test_stop_flags_are_read_one_batch_late():
+    """The all-rows-stopped flags are read a batch after they were queued (lag 1), at once with lag 0 (a streamer),
+    and every pending batch when generate reaches its last step; the step returned is the first that stopped."""
+    def run(lag, final_at=None, true_from=6, every=4):
+        stops = modeling._StopFlags(every, lag)
+        for step in range(1, 40):
+            got = stops.add(torch.tensor(step >= true_from), step, final=step == final_at)
+            if got is not None or step == final_at:
+                return step, got
+        return None
+
+    assert run(lag=1) == (12, 6)  # the batch of steps 5-8 is read when steps 9-12 are queued
+    assert run(lag=0) == (8, 6)
+    assert run(lag=1, final_at=9) == (9, 6)
+    assert run(lag=1, final_at=5, true_from=7) == (5, None)
+    assert run(lag=1, true_from=1, every=1) == (2, 1)
+
+
+@pytest.mark.parametrize("stop_after", [1, 5, modeling._STOP_CHECK_EVERY + 3, 2 * modeling._STOP_CHECK_EVERY + 1])
 def test_all_rows_stopping_early_cuts_the_extra_steps(stop_after):
     """A criterion that stops every row after `stop_after` tokens: the batched stop check ran a few steps further,
     and those are cut so sequences and scores equal stock's; the cache refuses to be continued."""
@@ -358,8 +376,8 @@ def test_prefill_graph_load_places_the_prompt_at_the_tail():
 
 
 def test_lm_head_of_a_step_goes_through_small_linear_unless_wrapped(monkeypatch):
-    """The step's LM head runs through `small_linear` (the per-shape cuBLAS / GEMV choice) for a plain bias-free
-    Linear; a head that is anything else (here a bias, as a wrapper or an adapter would add) runs as the module,
+    """The step's LM head runs through `small_linear` (the per-shape cuBLAS / GEMV choice), inside the step, for a
+    plain bias-free Linear; a head that is anything else (here a bias, as a wrapper or an adapter would add) runs as the module,
     and both give stock's tokens and scores."""
     seen = []
     real = modeling.small_linear
@@ -384,6 +402,8 @@ def test_lm_head_of_a_step_goes_through_small_linear_unless_wrapped(monkeypatch)
         _assert_same(a, b)
         vocab_shape = tuple(fused.lm_head.weight.shape)
         assert (vocab_shape in seen) is not with_bias, (with_bias, seen)
+        # the plain head runs inside the step (and its CUDA graph); the biased one after it
+        assert (modeling._graph_head(fused, cache_of(b)._state) is fused.lm_head) is not with_bias
 
 
 ROPES = {
@@ -417,20 +437,25 @@ class _Positions:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_step_rope_equals_stock_rotary(rope, sections, head_dim, factor, dtype, batch, device):
+def test_step_rope_equals_stock_rotary(rope, sections, head_dim, factor, dtype, batch, device, monkeypatch):
     """The decode step's cos / sin (a per-dimension gather of the t / h / w position row and the frequency) are
     bit-identical to stock's rotary module, for distinct t / h / w positions (a multimodal prompt's), large
-    positions, and a type whose attention scaling is not 1 (yarn); on the CPU and (a CUDA test) on the GPU."""
+    positions, and a type whose attention scaling is not 1 (yarn), and the positions then move on by one: on the
+    CPU through `mrope_step_ref` and (a CUDA test) on the GPU through the `mrope_step` kernel."""
+    kernel = fused_ops.mrope_step_ref if device == "cpu" else fused_ops.mrope_step
+    monkeypatch.setattr(modeling, "mrope_step", kernel)  # this file's fixture swaps in the reference everywhere
     rot = _rotary(ROPES[rope], sections, head_dim, factor).to(device)
     plan = modeling._rope_plan(rot, device)
     assert plan is not None
     gen = torch.Generator().manual_seed(batch)
     positions = torch.randint(0, 200_000, (3, batch, 1), generator=gen).to(device)
+    before = positions.clone()
     h = torch.zeros(batch, 1, 64, dtype=dtype, device=device)
+    want_cos, want_sin = rot(h, before)
     cos, sin = modeling._DecodeState._step_rope(_Positions(plan, positions), rot, h)
-    want_cos, want_sin = rot(h, positions)
     assert cos.shape == want_cos.shape and cos.dtype == dtype and cos.is_contiguous()
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert torch.equal(positions, before + 1)
 
 
 def test_step_rope_calls_a_rotary_on_another_device_as_it_is():
@@ -446,7 +471,9 @@ def test_step_rope_calls_a_dynamic_rotary_as_it_is():
     rot = _rotary({"rope_type": "dynamic", "factor": 2.0}, [2, 1, 1], 32, 0.5)
     assert modeling._rope_plan(rot, "cpu") is None
     positions = torch.randint(0, 5000, (3, 2, 1))
+    before = positions.clone()
     h = torch.zeros(2, 1, 64)
+    want_cos, want_sin = rot(h, before)
     cos, sin = modeling._DecodeState._step_rope(_Positions(None, positions), rot, h)
-    want_cos, want_sin = rot(h, positions)
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert torch.equal(positions, before + 1)

@@ -648,6 +648,9 @@ for prefetch in (False, True):
     if fused_ops._HAS_GDC:  # with prefetch_state the state's loads come before the wait, else every load after it
         first_load, wait = ptx.index("ld.global"), ptx.index("griddepcontrol.wait")
         assert (first_load < wait) == prefetch, ("prefetch_state", prefetch, first_load, wait)
+kernel = compile_(fused_ops._mrope_step_kernel, dict(pos_ptr="*i64", sec_ptr="*i64", f_ptr="*fp32", cos_ptr="*bf16",
+                  sin_ptr="*bf16", scaling="fp32"), dict(SCALE=True, ADVANCE=True, BLOCK_R=64), 1)
+assert "approx" not in kernel.asm["ptx"], "mrope_step must take the full-precision cos / sin, as torch does"
 # every config once, the epilogues and row counts taking turns (each pair of them at least twice)
 configs = fused_ops._GEMV_CONFIGS + (fused_ops.GemvConfig(2, 1024, 4, False, 2), fused_ops.GemvConfig(2, 256, 4, False, 4))
 for i, c in enumerate(configs):
@@ -661,10 +664,50 @@ for i, c in enumerate(configs):
 """
 
 
+def _mrope_inputs(B, R, device, seed=0):
+    """Positions [3, B, 1] (distinct t / h / w rows, up to 200k), sections [R] and float32 freqs [R] as `_rope_plan`
+    builds them (each half the same frequencies, an interleaved t / h / w section pattern)."""
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 200_000, (3, B, 1), generator=gen)
+    half = R // 2
+    sections = torch.tensor([(i % 3) if i < 3 * (half // 3) else 0 for i in range(half)] * 2)
+    freqs = (1e7 ** (-torch.arange(half, dtype=torch.float32) / half)).repeat(2)
+    return positions.to(device), sections.to(device), freqs.to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("B,R", [(1, 8), (3, 12), (2, 64)])
+@pytest.mark.parametrize("scaling", [1.0, 1.1386])
+@pytest.mark.parametrize("advance", [False, True])
+def test_mrope_step_cpu(dtype, B, R, scaling, advance):
+    """The kernel (interpreter) against `mrope_step_ref`: cos / sin within a unit in the last place (the interpreter's
+    numpy cos / sin against torch's), and the positions moved on by one only with `advance`."""
+    needs_interpreter()
+    positions, sections, freqs = _mrope_inputs(B, R, "cpu")
+    ref_positions = positions.clone()
+    cos, sin = fused_ops.mrope_step(positions, sections, freqs, scaling, dtype, advance=advance)
+    want_cos, want_sin = fused_ops.mrope_step_ref(ref_positions, sections, freqs, scaling, dtype, advance=advance)
+    assert cos.shape == (B, R) and cos.dtype == dtype
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype] * 1.2
+    assert (cos.float() - want_cos.float()).abs().max() <= ulp and (sin.float() - want_sin.float()).abs().max() <= ulp
+    assert torch.equal(positions, ref_positions)
+    assert torch.equal(positions, _mrope_inputs(B, R, "cpu")[0] + int(advance))
+
+
+def test_mrope_step_rejects_bad_inputs():
+    positions, sections, freqs = _mrope_inputs(2, 8, "cpu")
+    with pytest.raises(ValueError, match="int64 positions"):
+        fused_ops.mrope_step(positions.float(), sections, freqs, 1.0, torch.float32)
+    with pytest.raises(ValueError, match="float32 freqs"):
+        fused_ops.mrope_step(positions, sections, freqs.double(), 1.0, torch.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_ops.mrope_step(positions, sections, freqs, 1.0, torch.float64)
+
+
 def test_kernels_compile_for_sm90():
     """The real-shape variants of this file's kernels compile for sm_90 (each GEMV config, and two more unrolled; the
-    GPU tests run every config with every epilogue)."""
-    assert compile_for_sm90(_SM90_CALLS) == 3 + len(fused_ops._GEMV_CONFIGS) + 2
+    GPU tests run every config with every epilogue); `mrope_step`'s cos / sin are not the approximate instructions."""
+    assert compile_for_sm90(_SM90_CALLS) == 4 + len(fused_ops._GEMV_CONFIGS) + 2
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -857,3 +900,18 @@ def test_small_linear_picks_and_captures_cuda():
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert rel_err(out.float(), fused_ops.gemv_ref(x, w, True).float()) <= BOUND[torch.bfloat16]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("B", B_CUDA, ids=lambda b: f"B{b}")
+@pytest.mark.parametrize("scaling", [1.0, 1.1386])
+def test_mrope_step_cuda(dtype, B, scaling):
+    """On the GPU the kernel's cos / sin are bit-identical to the torch reference (which the step's rotary tests hold
+    bit-identical to stock's module) at the real rotary width (R = 64), and the positions move on by one."""
+    positions, sections, freqs = _mrope_inputs(B, 64, "cuda", seed=B)
+    ref_positions = positions.clone()
+    cos, sin = fused_ops.mrope_step(positions, sections, freqs, scaling, dtype, advance=True)
+    want_cos, want_sin = fused_ops.mrope_step_ref(ref_positions, sections, freqs, scaling, dtype, advance=True)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    assert torch.equal(positions, ref_positions)
