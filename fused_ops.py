@@ -2204,8 +2204,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _mrope_step_kernel(
-        pos_ptr, sec_ptr, f_ptr, cos_ptr, sin_ptr, stride_ps, stride_pb, R, scaling,
-        SCALE: tl.constexpr, ADVANCE: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+        pos_ptr, sec_ptr, f_ptr, cos_ptr, sin_ptr, valid_ptr, slot_ptr, stride_ps, stride_pb, stride_valid, R, scaling,
+        SCALE: tl.constexpr, ADVANCE: tl.constexpr, MARK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
     ):
         b = tl.program_id(0)
         o_r = tl.arange(0, BLOCK_R)
@@ -2223,6 +2223,8 @@ if HAS_TRITON:
         dt = cos_ptr.dtype.element_ty
         tl.store(cos_ptr + b * R + o_r, _round_to(b_c, dt).to(dt), mask=m_r)
         tl.store(sin_ptr + b * R + o_r, _round_to(b_s, dt).to(dt), mask=m_r)
+        if MARK:  # the key the step writes at `slot` is valid from this step on
+            tl.store(valid_ptr + b.to(tl.int64) * stride_valid + tl.load(slot_ptr), 1)
         if ADVANCE:
             tl.debug_barrier()  # every thread has read its position before any moves on
             o_s = tl.arange(0, 4)
@@ -2230,7 +2232,7 @@ if HAS_TRITON:
             tl.store(p_s, tl.load(p_s, mask=o_s < 3, other=0) + 1, mask=o_s < 3)
 
 
-def _check_mrope_step(positions, sections, freqs) -> None:
+def _check_mrope_step(positions, sections, freqs, mark_valid=None) -> None:
     if positions.dim() != 3 or positions.shape[0] != 3 or positions.shape[2] != 1 or positions.dtype != torch.long:
         raise ValueError(f"mrope_step needs int64 positions [3, B, 1] (t / h / w rows), got {tuple(positions.shape)} "
                          f"{positions.dtype}.")
@@ -2238,11 +2240,20 @@ def _check_mrope_step(positions, sections, freqs) -> None:
         raise ValueError(f"mrope_step needs sections [R] and float32 freqs [R], got {tuple(sections.shape)} and "
                          f"{tuple(freqs.shape)} {freqs.dtype}.")
     _check_same_device(positions=positions, sections=sections, freqs=freqs)
+    if mark_valid is not None:
+        valid, slot = mark_valid
+        if valid.dtype != torch.bool or valid.dim() != 2 or valid.shape[0] != positions.shape[1] or valid.stride(1) != 1:
+            raise ValueError(f"mrope_step's mark_valid needs a bool [B, L] mask (B = {positions.shape[1]}, last dim "
+                             f"contiguous), got {tuple(valid.shape)} {valid.dtype}.")
+        if slot.shape != (1,) or slot.dtype != torch.long:
+            raise ValueError(f"mrope_step's mark_valid needs an int64 slot of shape (1,), got {tuple(slot.shape)} "
+                             f"{slot.dtype}.")
+        _check_same_device(positions=positions, valid=valid, slot=slot)
 
 
 def mrope_step(
     positions: torch.Tensor, sections: torch.Tensor, freqs: torch.Tensor, scaling: float, dtype: torch.dtype,
-    advance: bool = False,
+    advance: bool = False, mark_valid: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, R] in `dtype` of one token per row, equal to stock's interleaved-mRoPE rotary module
     (`Qwen3_5TextRotaryEmbedding` with a static rope type) at `positions`; one launch.
@@ -2256,9 +2267,12 @@ def mrope_step(
         dtype: float32 / bfloat16 / float16, the hidden states' dtype (stock rounds cos / sin to it).
         advance: afterwards add 1 to every position in place (a generated text token moves every section on by
             one), in the same launch.
+        mark_valid: optional `(valid [B, L] bool, slot [1] int64)`, the decode step's key padding mask and the cache
+            index its new key goes to: sets `valid[:, slot] = True` in the same launch (the step's first launch then
+            does all of the step's bookkeeping).
     """
     _check_triton("mrope_step")
-    _check_mrope_step(positions, sections, freqs)
+    _check_mrope_step(positions, sections, freqs, mark_valid)
     if dtype not in _DTYPES:
         raise ValueError(f"mrope_step's dtype must be float32, bfloat16 or float16, got {dtype}.")
     B, R = positions.shape[1], sections.shape[0]
@@ -2267,20 +2281,24 @@ def mrope_step(
     if B > 0 and R > 0:
         with _device_guard(positions):
             pdl = pdl_enabled(positions.device)
+            valid, slot = mark_valid if mark_valid is not None else (positions, positions)
             _mrope_step_kernel[(B,)](
-                positions, sections, freqs, cos, sin, positions.stride(0), positions.stride(1), R, float(scaling),
-                SCALE=float(scaling) != 1.0, ADVANCE=advance, BLOCK_R=triton.next_power_of_2(R), num_warps=1,
-                PDL=pdl, **_pdl_launch(pdl),
+                positions, sections, freqs, cos, sin, valid, slot, positions.stride(0), positions.stride(1),
+                valid.stride(0), R, float(scaling), SCALE=float(scaling) != 1.0, ADVANCE=advance,
+                MARK=mark_valid is not None, BLOCK_R=triton.next_power_of_2(R), num_warps=1, PDL=pdl,
+                **_pdl_launch(pdl),
             )
     return cos, sin
 
 
 def mrope_step_ref(
     positions: torch.Tensor, sections: torch.Tensor, freqs: torch.Tensor, scaling: float, dtype: torch.dtype,
-    advance: bool = False,
+    advance: bool = False, mark_valid: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch `mrope_step`: each dimension gathers its position row and frequency first (7 launches)."""
-    _check_mrope_step(positions, sections, freqs)
+    _check_mrope_step(positions, sections, freqs, mark_valid)
+    if mark_valid is not None:
+        mark_valid[0].index_fill_(1, mark_valid[1], True)
     angles = positions[:, :, 0].T.index_select(1, sections).float() * freqs  # [B, R]
     cos, sin = angles.cos(), angles.sin()
     if scaling != 1.0:

@@ -46,6 +46,7 @@ from torch import nn
 from transformers import AutoModel
 from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.qwen3_5 import modeling_qwen3_5 as stock
@@ -629,9 +630,8 @@ class _DecodeState:
         """One token for the whole batch, on the static buffers: no host sync, so it can be captured.
 
         Returns the final-norm hidden state [B, 1, hidden]."""
-        self.key_valid.index_fill_(1, self.slot, True)
         h = self.embeds  # the residual stream
-        cos, sin = self._step_rope(text_model.rotary_emb, h)  # and the positions move on by one
+        cos, sin = self._step_rope(text_model.rotary_emb, h)  # also: the new key marked valid, the positions moved on
         if self.multi_device:  # the rotary module may sit on another device than the embeddings
             cos, sin = cos.to(self.device), sin.to(self.device)
         mlp_out = None  # each layer's MLP output is added to the stream inside the next norm (one launch, not two)
@@ -663,16 +663,19 @@ class _DecodeState:
         return rms_norm(mlp_out, norm.weight, norm.eps, residual=h)[0]
 
     def _step_rope(self, rot, h):
-        """cos, sin [B, 1, R] in h's dtype for ``positions``, equal to stock's ``rot(h, positions)``; then every
-        position moves on by one (every mRoPE section of a generated text token does). With a plan (``_rope_plan``)
-        one launch, ``mrope_step`` (the same float32 angle through the same cos / sin), where stock's module takes
-        14 and the increment one more; any other module is called as it is."""
+        """The step's first launch: cos, sin [B, 1, R] in h's dtype for ``positions``, equal to stock's
+        ``rot(h, positions)``; the key at ``slot`` marked valid in ``key_valid``; then every position moved on by one
+        (every mRoPE section of a generated text token moves). With a plan (``_rope_plan``) all in one launch,
+        ``mrope_step`` (the same float32 angle through the same cos / sin), where stock's module alone takes 14; any
+        other module is called as it is, between the mask update and the increment."""
         if self.rope is None:
+            self.key_valid.index_fill_(1, self.slot, True)
             cos, sin = rot(h, self.positions)
             self.positions.add_(1)
             return cos, sin
         sections, freqs, scaling = self.rope
-        cos, sin = mrope_step(self.positions, sections, freqs, scaling, h.dtype, advance=True)
+        cos, sin = mrope_step(self.positions, sections, freqs, scaling, h.dtype, advance=True,
+                              mark_valid=(self.key_valid, self.slot))
         return cos[:, None], sin[:, None]
 
     def _deltanet_step(self, m, x, i):
@@ -723,9 +726,9 @@ class _DecodeState:
     # -- driving it --------------------------------------------------------------------------------------------------
 
     def decode(self, text_model, use_graph: bool, head: nn.Linear | None = None) -> torch.Tensor:
-        """One step: with ``head`` (the LM head, see ``_graph_head``) the float32 logits [B, vocab], the head run inside
-        the step and its graph (no launch gap before it, and its first weight tiles load while the final norm runs);
-        without, the final-norm hidden state [B, 1, hidden]."""
+        """One step: with ``head`` (the LM head, see ``_graph_head``) the logits [B, vocab] in the model's dtype, the
+        head run inside the step and its graph (no launch gap before it, and its first weight tiles load while the
+        final norm runs); without, the final-norm hidden state [B, 1, hidden]."""
         if self.graph and self.graph_head is not head:  # captured with another head: capture again
             self.drop_graph()
         if not use_graph or self.graph is False:
@@ -742,7 +745,7 @@ class _DecodeState:
         hidden = self.step(text_model)
         if head is None:
             return hidden
-        return small_linear(hidden.view(self.batch, -1), head.weight).float()  # stock's bf16 logits, then .float()
+        return small_linear(hidden.view(self.batch, -1), head.weight)
 
     def _capture_and_replay(self, text_model, head: nn.Linear | None) -> torch.Tensor:
         _pack_all(text_model)
@@ -1021,18 +1024,18 @@ class FusedDecodeCache(Cache):
         return BaseModelOutputWithPast(last_hidden_state=hidden[:, pad:].clone())
 
     def next_logits(self, model, tokens: torch.Tensor) -> torch.Tensor:
-        """The float32 logits [B, vocab] of the step for ``tokens`` [B] (the tokens just chosen), as stock's
-        ``outputs.logits[:, -1].float()``; the LM head runs inside the step when ``_graph_head`` allows. Used by the
+        """The logits [B, vocab] of the step for ``tokens`` [B] (the tokens just chosen) in the model's dtype, as
+        stock's ``outputs.logits[:, -1]``; the LM head runs inside the step when ``_graph_head`` allows. Used by the
         fused generate loop (``_fused_sample``). With CUDA graphs the result is the graph's output buffer, which the
         next step overwrites."""
         text_model = model._text_model()
         head = _graph_head(model, self._state)
         out = self.next_token(text_model, tokens, head)
-        return out if head is not None else _step_logits(model, out)[:, -1].float()
+        return out if head is not None else _step_logits(model, out)[:, -1]
 
     def next_token(self, text_model, tokens: torch.Tensor, head: nn.Linear | None = None) -> torch.Tensor:
         """Run the step for ``tokens`` [B] (the tokens just chosen) at the positions that follow the previous step's;
-        returns the final-norm hidden state [B, 1, hidden], or with ``head`` the float32 logits [B, vocab]."""
+        returns the final-norm hidden state [B, 1, hidden], or with ``head`` the logits [B, vocab]."""
         st = self._buffers()
         if self._seq_len + self._pad >= st.max_len:
             raise ValueError(f"The fused decode cache holds {st.max_len} tokens and is full.")
@@ -1061,23 +1064,24 @@ _STOP_CHECK_EVERY = 8
 
 
 class _StopFlags:
-    """The per-step 0-dim "every row has stopped" flags of ``_fused_sample``, read by the host a batch at a time.
+    """Which rows of ``_fused_sample`` are still running after each step, read by the host a batch of steps at a time.
 
-    ``add`` takes step ``steps``'s flag; every ``every`` steps the batch is copied to the host without blocking it
-    (pinned memory and an event on CUDA) and the batch before it is read (``lag=1``), or this batch at once
-    (``lag=0``: a streamer waits for every token anyway). ``add(final=True)`` reads everything still pending.
-    Returns the first step at which every row had stopped (the step stock stops after), or None."""
+    ``add`` takes step ``steps``'s ``unfinished`` [B] bool (a new tensor each step: it is kept, not copied); every
+    ``every`` steps the batch is reduced to one "any row running" flag per step in two launches, copied to the host
+    without blocking it (pinned memory and an event on CUDA), and the batch before it is read (``lag=1``), or this
+    batch at once (``lag=0``: a streamer waits for every token anyway). ``add(final=True)`` reads everything still
+    pending. Returns the first step after which every row had stopped (the step stock stops after), or None."""
 
     def __init__(self, every: int, lag: int):
         self.every, self.lag = every, lag
-        self.flags, self.queue = [], []  # queue: (host flags, event or None, steps of its first flag - 1)
-        self.first = 0  # steps before self.flags[0]
+        self.rows, self.queue = [], []  # queue: (host flags, event or None, steps of its first flag - 1)
+        self.first = 0  # steps before self.rows[0]
 
-    def add(self, flag: torch.Tensor, steps: int, final: bool = False) -> int | None:
-        self.flags.append(flag)
+    def add(self, unfinished: torch.Tensor, steps: int, final: bool = False) -> int | None:
+        self.rows.append(unfinished)
         if not final and steps % self.every:
             return None
-        flags = torch.stack(self.flags)
+        flags = torch.stack(self.rows).any(dim=1)  # [steps of the batch]: some row still running
         if flags.is_cuda:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             host.copy_(flags, non_blocking=True)
@@ -1086,14 +1090,14 @@ class _StopFlags:
         else:
             host, event = flags, None
         self.queue.append((host, event, self.first))
-        self.flags, self.first = [], steps
+        self.rows, self.first = [], steps
         while self.queue and (final or len(self.queue) > self.lag):
             host, event, first = self.queue.pop(0)
             if event is not None:
                 event.synchronize()
-            values = host.tolist()
-            if any(values):
-                return first + values.index(True) + 1
+            running = host.tolist()
+            if not all(running):
+                return first + running.index(False) + 1
         return None
 
 
@@ -1124,6 +1128,23 @@ def _graph_head(model, state: _DecodeState) -> nn.Linear | None:
     return head if weight.device == model._text_model().norm.weight.device else None
 
 
+def _stop_rows(criteria: list, input_ids: torch.Tensor, scores) -> torch.Tensor | None:
+    """Stock ``StoppingCriteriaList.__call__`` (the OR of every criterion) without stock's ``MaxLengthCriteria``,
+    whose verdict the loop takes on the host (``at_max``): its all-rows tensor and the OR with it were two launches a
+    step and a third for the list's starting ``False``. The criterion still runs where it would warn (a length past
+    the model's ``max_position_embeddings``). None when no other criterion is given."""
+    done = None
+    for c in criteria:
+        if type(c) is MaxLengthCriteria:
+            limit = c.max_position_embeddings
+            if limit is not None and input_ids.shape[1] > limit:
+                c(input_ids, scores)  # its one-time warning
+            continue
+        verdict = c(input_ids, scores)
+        done = verdict if done is None else done | verdict
+    return done
+
+
 def _fused_sample(model, cache, input_ids, logits_processor, stopping_criteria, generation_config, streamer, model_kwargs):
     """Greedy / multinomial decoding on a :class:`FusedDecodeCache`: stock ``_sample``'s token rule, with the
     model call reduced to one replayed step plus the LM head, and the all-rows-stopped check batched.
@@ -1138,13 +1159,18 @@ def _fused_sample(model, cache, input_ids, logits_processor, stopping_criteria, 
     scores = () if ret and generation_config.output_scores else None
     raw_logits = () if ret and generation_config.output_logits else None
     keep_logits = scores is not None or raw_logits is not None
+    # Stock turns each step's logits into float32 for the processors, the sampling and the outputs. A greedy step
+    # that nothing else reads takes its argmax in the model's dtype: the same token (the conversion is exact and
+    # keeps the order, NaN included), one launch less.
+    to_float = keep_logits or generation_config.do_sample or len(logits_processor) > 0
     has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     max_length = getattr(stopping_criteria, "max_length", None)
     check_every = 1 if streamer is not None else _STOP_CHECK_EVERY
-    unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+    unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     outputs = model._prefill(input_ids, generation_config, model_kwargs)
-    logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+    logits = outputs.logits[:, -1]
+    logits = logits.to(copy=True, dtype=torch.float32 if to_float else logits.dtype, device=input_ids.device)
     del outputs
     prompt_len = input_ids.shape[1]
     stops = _StopFlags(check_every, lag=0 if streamer is not None else 1)
@@ -1159,19 +1185,23 @@ def _fused_sample(model, cache, input_ids, logits_processor, stopping_criteria, 
             next_tokens = torch.multinomial(F.softmax(next_scores, dim=-1), num_samples=1).squeeze(1)
         else:
             next_tokens = torch.argmax(next_scores, dim=-1)
-        if has_eos:
-            next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
+        if has_eos:  # stock's `next * unfinished + pad * (1 - unfinished)`, in one launch instead of four
+            next_tokens = torch.where(unfinished, next_tokens, pad)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+        done = _stop_rows(stopping_criteria, input_ids, scores)
+        if done is not None:
+            unfinished = unfinished & ~done.bool()
         if streamer is not None:
             streamer.put(next_tokens.cpu())
         at_max = max_length is not None and input_ids.shape[1] >= max_length
-        stop_at = stops.add(unfinished.max() == 0, input_ids.shape[1] - prompt_len, final=at_max)
+        stop_at = stops.add(unfinished, input_ids.shape[1] - prompt_len, final=at_max)
         if stop_at is not None or at_max:
             break
         logits = cache.next_logits(model, next_tokens).to(device=input_ids.device)
-        if keep_logits:  # the graph's output buffer is overwritten by the next step
-            logits = logits.clone()
+        if keep_logits:  # kept past the next step, which overwrites the graph's output buffer: a copy
+            logits = logits.to(dtype=torch.float32, copy=True)
+        elif to_float:
+            logits = logits.float()
 
     if stop_at is not None and stop_at < input_ids.shape[1] - prompt_len:
         extra = input_ids.shape[1] - prompt_len - stop_at

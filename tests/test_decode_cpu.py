@@ -271,13 +271,57 @@ def test_generate_runs_the_fused_loop_once_prefilled(monkeypatch):
     assert cache_of(b).get_seq_length() == 6 + 8
 
 
+def test_greedy_without_processors_takes_argmax_in_the_model_dtype(monkeypatch):
+    """A greedy step whose logits nothing else reads (no processor, no scores kept) skips stock's float32
+    conversion: bf16 tokens equal those of the float32 path (scores kept) and of stock, and the argmax saw bf16."""
+    stock, fused = stock_and_fused_lm(seed=1)
+    stock, fused = stock.to(torch.bfloat16), fused.to(torch.bfloat16)
+    ids, mask = _prompts(2, 7)
+    seen = []
+    argmax = torch.argmax
+
+    def spy(x, *a, **k):
+        seen.append(x.dtype)
+        return argmax(x, *a, **k)
+
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = generate_stock(stock, ids, attention_mask=mask, **kw)
+        kept = fused.generate(ids, attention_mask=mask, return_dict_in_generate=True, output_scores=True, **kw)
+        monkeypatch.setattr(torch, "argmax", spy)
+        plain = fused.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(plain, kept.sequences) and torch.equal(plain, want)
+    assert seen and set(seen) == {torch.bfloat16}
+
+
+def test_stop_rows_is_stocks_list_without_the_max_length_criterion(caplog):
+    """`_stop_rows` ORs every criterion as stock's `StoppingCriteriaList` does, except stock's `MaxLengthCriteria`
+    (the loop's host-side `at_max` decides it), which still runs, and warns, past `max_position_embeddings`."""
+    from transformers.generation.stopping_criteria import (
+        EosTokenCriteria, MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList)
+
+    class Odd(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] % 2 == 1
+
+    ids = torch.tensor([[5, 7, 2], [5, 7, 3], [5, 7, 4]])
+    full = StoppingCriteriaList([MaxLengthCriteria(3), EosTokenCriteria(4), Odd()])
+    assert full(ids, None).tolist() == [True] * 3  # stock: the max length stops every row
+    assert modeling._stop_rows(full, ids, None).tolist() == [False, True, True]
+    assert modeling._stop_rows(StoppingCriteriaList([MaxLengthCriteria(9)]), ids, None) is None
+    with caplog.at_level(logging.WARNING):
+        modeling._stop_rows([MaxLengthCriteria(9, max_position_embeddings=2)], ids, None)
+    assert "maximum length" in caplog.text
+
+
 def test_stop_flags_are_read_one_batch_late():
-    """The all-rows-stopped flags are read a batch after they were queued (lag 1), at once with lag 0 (a streamer),
-    and every pending batch when generate reaches its last step; the step returned is the first that stopped."""
+    """The rows' running flags are read a batch after they were queued (lag 1), at once with lag 0 (a streamer),
+    and every pending batch when generate reaches its last step; the step returned is the first after which every
+    row had stopped."""
     def run(lag, final_at=None, true_from=6, every=4):
         stops = modeling._StopFlags(every, lag)
-        for step in range(1, 40):
-            got = stops.add(torch.tensor(step >= true_from), step, final=step == final_at)
+        for step in range(1, 40):  # two rows: the first stops at step `true_from`, the second one step earlier
+            got = stops.add(torch.tensor([step < true_from, step < true_from - 1]), step, final=step == final_at)
             if got is not None or step == final_at:
                 return step, got
         return None
@@ -425,10 +469,18 @@ def _rotary(rope: dict, sections, head_dim: int, factor: float):
 
 
 class _Positions:
-    """The two attributes of a `_DecodeState` that `_step_rope` reads."""
+    """The attributes of a `_DecodeState` that `_step_rope` reads and writes: the plan, the positions, and the key
+    mask [B, 8] whose column `slot` (5) the step marks valid."""
 
     def __init__(self, rope, positions):
         self.rope, self.positions = rope, positions
+        self.key_valid = torch.zeros(positions.shape[1], 8, dtype=torch.bool, device=positions.device)
+        self.slot = torch.tensor([5], device=positions.device)
+
+    def check_marked(self):
+        want = torch.zeros_like(self.key_valid)
+        want[:, 5] = True
+        assert torch.equal(self.key_valid, want)
 
 
 @pytest.mark.parametrize("rope", list(ROPES))
@@ -440,8 +492,9 @@ class _Positions:
 def test_step_rope_equals_stock_rotary(rope, sections, head_dim, factor, dtype, batch, device, monkeypatch):
     """The decode step's cos / sin (a per-dimension gather of the t / h / w position row and the frequency) are
     bit-identical to stock's rotary module, for distinct t / h / w positions (a multimodal prompt's), large
-    positions, and a type whose attention scaling is not 1 (yarn), and the positions then move on by one: on the
-    CPU through `mrope_step_ref` and (a CUDA test) on the GPU through the `mrope_step` kernel."""
+    positions, and a type whose attention scaling is not 1 (yarn); the new key is marked valid and the positions
+    move on by one: on the CPU through `mrope_step_ref` and (a CUDA test) on the GPU through the `mrope_step`
+    kernel."""
     kernel = fused_ops.mrope_step_ref if device == "cpu" else fused_ops.mrope_step
     monkeypatch.setattr(modeling, "mrope_step", kernel)  # this file's fixture swaps in the reference everywhere
     rot = _rotary(ROPES[rope], sections, head_dim, factor).to(device)
@@ -452,10 +505,12 @@ def test_step_rope_equals_stock_rotary(rope, sections, head_dim, factor, dtype, 
     before = positions.clone()
     h = torch.zeros(batch, 1, 64, dtype=dtype, device=device)
     want_cos, want_sin = rot(h, before)
-    cos, sin = modeling._DecodeState._step_rope(_Positions(plan, positions), rot, h)
+    state = _Positions(plan, positions)
+    cos, sin = modeling._DecodeState._step_rope(state, rot, h)
     assert cos.shape == want_cos.shape and cos.dtype == dtype and cos.is_contiguous()
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert torch.equal(positions, before + 1)
+    state.check_marked()
 
 
 def test_step_rope_calls_a_rotary_on_another_device_as_it_is():
@@ -474,6 +529,8 @@ def test_step_rope_calls_a_dynamic_rotary_as_it_is():
     before = positions.clone()
     h = torch.zeros(2, 1, 64)
     want_cos, want_sin = rot(h, before)
-    cos, sin = modeling._DecodeState._step_rope(_Positions(None, positions), rot, h)
+    state = _Positions(None, positions)
+    cos, sin = modeling._DecodeState._step_rope(state, rot, h)
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert torch.equal(positions, before + 1)
+    state.check_marked()

@@ -649,7 +649,8 @@ for prefetch in (False, True):
         first_load, wait = ptx.index("ld.global"), ptx.index("griddepcontrol.wait")
         assert (first_load < wait) == prefetch, ("prefetch_state", prefetch, first_load, wait)
 kernel = compile_(fused_ops._mrope_step_kernel, dict(pos_ptr="*i64", sec_ptr="*i64", f_ptr="*fp32", cos_ptr="*bf16",
-                  sin_ptr="*bf16", scaling="fp32"), dict(SCALE=True, ADVANCE=True, BLOCK_R=64), 1)
+                  sin_ptr="*bf16", valid_ptr="*i1", slot_ptr="*i64", scaling="fp32"),
+                  dict(SCALE=True, ADVANCE=True, MARK=True, BLOCK_R=64), 1)
 assert "approx" not in kernel.asm["ptx"], "mrope_step must take the full-precision cos / sin, as torch does"
 # every config once, the epilogues and row counts taking turns (each pair of them at least twice)
 configs = fused_ops._GEMV_CONFIGS + (fused_ops.GemvConfig(2, 1024, 4, False, 2), fused_ops.GemvConfig(2, 256, 4, False, 4))
@@ -681,12 +682,21 @@ def _mrope_inputs(B, R, device, seed=0):
 @pytest.mark.parametrize("advance", [False, True])
 def test_mrope_step_cpu(dtype, B, R, scaling, advance):
     """The kernel (interpreter) against `mrope_step_ref`: cos / sin within a unit in the last place (the interpreter's
-    numpy cos / sin against torch's), and the positions moved on by one only with `advance`."""
+    numpy cos / sin against torch's); the positions moved on by one only with `advance`; with `mark_valid`, the
+    slot's column of the key mask set and nothing else touched."""
     needs_interpreter()
     positions, sections, freqs = _mrope_inputs(B, R, "cpu")
     ref_positions = positions.clone()
-    cos, sin = fused_ops.mrope_step(positions, sections, freqs, scaling, dtype, advance=advance)
-    want_cos, want_sin = fused_ops.mrope_step_ref(ref_positions, sections, freqs, scaling, dtype, advance=advance)
+    mark = None
+    if advance:  # the step passes both; the mask here has a row stride wider than its width
+        valid = torch.zeros(B, 16, dtype=torch.bool)[:, :11]
+        valid[0, 2] = True
+        mark, ref_mark = (valid, torch.tensor([7])), (valid.clone(), torch.tensor([7]))
+    cos, sin = fused_ops.mrope_step(positions, sections, freqs, scaling, dtype, advance=advance, mark_valid=mark)
+    want_cos, want_sin = fused_ops.mrope_step_ref(ref_positions, sections, freqs, scaling, dtype, advance=advance,
+                                                  mark_valid=ref_mark if advance else None)
+    if advance:
+        assert torch.equal(mark[0], ref_mark[0]) and mark[0][:, 7].all() and mark[0].sum() == B + 1
     assert cos.shape == (B, R) and cos.dtype == dtype
     ulp = {torch.float32: 1e-6, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype] * 1.2
     assert (cos.float() - want_cos.float()).abs().max() <= ulp and (sin.float() - want_sin.float()).abs().max() <= ulp
@@ -702,6 +712,11 @@ def test_mrope_step_rejects_bad_inputs():
         fused_ops.mrope_step(positions, sections, freqs.double(), 1.0, torch.float32)
     with pytest.raises(ValueError, match="dtype"):
         fused_ops.mrope_step(positions, sections, freqs, 1.0, torch.float64)
+    with pytest.raises(ValueError, match="bool"):
+        fused_ops.mrope_step(positions, sections, freqs, 1.0, torch.float32, mark_valid=(torch.zeros(2, 4), positions[0, 0]))
+    with pytest.raises(ValueError, match="slot"):
+        fused_ops.mrope_step(positions, sections, freqs, 1.0, torch.float32,
+                             mark_valid=(torch.zeros(2, 4, dtype=torch.bool), torch.tensor([1.0])))
 
 
 def test_kernels_compile_for_sm90():
@@ -908,10 +923,14 @@ def test_small_linear_picks_and_captures_cuda():
 @pytest.mark.parametrize("scaling", [1.0, 1.1386])
 def test_mrope_step_cuda(dtype, B, scaling):
     """On the GPU the kernel's cos / sin are bit-identical to the torch reference (which the step's rotary tests hold
-    bit-identical to stock's module) at the real rotary width (R = 64), and the positions move on by one."""
+    bit-identical to stock's module) at the real rotary width (R = 64); the positions move on by one and the slot's
+    key is marked valid."""
     positions, sections, freqs = _mrope_inputs(B, 64, "cuda", seed=B)
     ref_positions = positions.clone()
-    cos, sin = fused_ops.mrope_step(positions, sections, freqs, scaling, dtype, advance=True)
-    want_cos, want_sin = fused_ops.mrope_step_ref(ref_positions, sections, freqs, scaling, dtype, advance=True)
+    valid = torch.rand(B, 300, device="cuda") < 0.5
+    ref_valid, slot = valid.clone(), torch.tensor([257], device="cuda")
+    cos, sin = fused_ops.mrope_step(positions, sections, freqs, scaling, dtype, advance=True, mark_valid=(valid, slot))
+    want_cos, want_sin = fused_ops.mrope_step_ref(ref_positions, sections, freqs, scaling, dtype, advance=True,
+                                                  mark_valid=(ref_valid, slot))
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
-    assert torch.equal(positions, ref_positions)
+    assert torch.equal(positions, ref_positions) and torch.equal(valid, ref_valid) and valid[:, 257].all()
