@@ -1089,8 +1089,9 @@ def gated_delta_rule_step(
         prefetch_state: with programmatic dependent launch on (`pdl_enabled`), load the state before waiting on
             the kernel launched before this one, so its read overlaps that kernel's drain. Only for a caller that
             knows no kernel that may still be running writes `state`: the decode step, where the state's last
-            writer is this kernel one token earlier, hundreds of launches and a graph replay back. Not for two
-            calls in a row on one state: the second would read the state before the first has written it.
+            writer is this kernel one token earlier, in the step before; between two steps the generate loop runs
+            torch kernels, launched without PDL, which start only once all earlier work is done. Not for two calls
+            in a row on one state: the second would read the state before the first has written it.
 
     Returns:
         o [B, HV, V] in q's dtype (`out` when given, else a new contiguous tensor).
