@@ -2243,8 +2243,9 @@ def _check_mrope_step(positions, sections, freqs, mark_valid=None) -> None:
     _check_same_device(positions=positions, sections=sections, freqs=freqs)
     if mark_valid is not None:
         valid, slot = mark_valid
-        if valid.dtype != torch.bool or valid.dim() != 2 or valid.shape[0] != positions.shape[1] or valid.stride(1) != 1:
-            raise ValueError(f"mrope_step's mark_valid needs a bool [B, L] mask (B = {positions.shape[1]}, last dim "
+        B = positions.shape[1]
+        if valid.dtype != torch.bool or valid.dim() != 2 or valid.shape[0] != B or valid.stride(1) != 1:
+            raise ValueError(f"mrope_step's mark_valid needs a bool [B, L] mask (B = {B}, last dim "
                              f"contiguous), got {tuple(valid.shape)} {valid.dtype}.")
         if slot.shape != (1,) or slot.dtype != torch.long:
             raise ValueError(f"mrope_step's mark_valid needs an int64 slot of shape (1,), got {tuple(slot.shape)} "

@@ -470,16 +470,20 @@ def _decode_len_bucket(needed: int) -> int:
 
 
 class _WeightsSnapshot:
-    """What a captured graph reads: every parameter of the given modules (the text model, and the LM head when the
-    graph runs it) (owner, name, tensor, address) and every submodule (parent, name, module), taken at capture. ``unchanged()`` is checked before each replay: a parameter
-    replaced (``load_state_dict(..., assign=True)``, assignment, ``.data =``) or a submodule swapped (an adapter
-    injected) means the graph would read stale memory, so it is captured again. Checking the snapshot costs a
-    fraction of walking the module tree again (~1.2 ms per call at 4B on a CPU-only host)."""
+    """What a captured graph reads: every parameter (owner, name, tensor, address) and every submodule (parent, name,
+    module) of the given modules (the text model, and the LM head when the graph runs it), taken at capture.
+    ``unchanged()`` is checked before each replay: a parameter replaced (``load_state_dict(..., assign=True)``,
+    assignment, ``.data =``) or a submodule swapped (an adapter injected) means the graph would read stale memory, so
+    it is captured again. Checking the snapshot costs a fraction of walking the module tree again (~1.2 ms per call
+    at 4B on a CPU-only host)."""
 
     def __init__(self, *roots: nn.Module):
         modules = [module for root in roots for module in root.modules()]
         self.params = [
-            (module, name, p, p.data_ptr()) for module in modules for name, p in module._parameters.items() if p is not None
+            (module, name, p, p.data_ptr())
+            for module in modules
+            for name, p in module._parameters.items()
+            if p is not None
         ]
         self.children = [(module, name, child) for module in modules for name, child in module._modules.items()]
 
@@ -521,8 +525,8 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 def _rope_plan(rot, device) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """For stock's interleaved-mRoPE text rotary module ``rot`` with a static type: ``(sections [R], freqs [R],
-    attention_scaling)`` for ``mrope_step``, R = 2 * len(inv_freq) the rotary dims of cos / sin: dimension d reads position row
-    ``sections[d]`` (0 / 1 / 2 = t / h / w, stock's ``recomposition_frequencies``) and float32 frequency
+    attention_scaling)`` for ``mrope_step``, R = 2 * len(inv_freq) the rotary dims of cos / sin: dimension d reads
+    position row ``sections[d]`` (0 / 1 / 2 = t / h / w, stock's ``recomposition_frequencies``) and float32 frequency
     ``freqs[d] = inv_freq[d mod R/2]`` (stock's ``cat((f, f))``; a static type never changes ``inv_freq``). None for any other module (a subclass's
     forward, a dynamic type) and for a module on another device than ``device`` (a model split over devices, where
     accelerate's hook moves the module's inputs to it), which the step then calls as it is."""
@@ -1151,7 +1155,7 @@ def _fused_sample(model, cache, input_ids, logits_processor, stopping_criteria, 
     model call reduced to one replayed step plus the LM head, and the all-rows-stopped check batched.
 
     Same outputs as stock ``_sample`` (sequences, scores, logits, streamer calls): logits processors, stopping
-    criteria and the padding of finished rows run as there, every step.
+    criteria (stock's max-length one decided on the host) and the padding of finished rows run as there, every step.
     """
     pad = generation_config._pad_token_tensor
     if pad is not None:

@@ -421,8 +421,8 @@ def test_prefill_graph_load_places_the_prompt_at_the_tail():
 
 def test_lm_head_of_a_step_goes_through_small_linear_unless_wrapped(monkeypatch):
     """The step's LM head runs through `small_linear` (the per-shape cuBLAS / GEMV choice), inside the step, for a
-    plain bias-free Linear; a head that is anything else (here a bias, as a wrapper or an adapter would add) runs as the module,
-    and both give stock's tokens and scores."""
+    plain bias-free Linear; a head that is anything else (here a bias, as a wrapper or an adapter would add) runs as
+    the module, after the step, and both give stock's tokens and scores."""
     seen = []
     real = modeling.small_linear
 

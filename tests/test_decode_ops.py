@@ -713,7 +713,8 @@ def test_mrope_step_rejects_bad_inputs():
     with pytest.raises(ValueError, match="dtype"):
         fused_ops.mrope_step(positions, sections, freqs, 1.0, torch.float64)
     with pytest.raises(ValueError, match="bool"):
-        fused_ops.mrope_step(positions, sections, freqs, 1.0, torch.float32, mark_valid=(torch.zeros(2, 4), positions[0, 0]))
+        fused_ops.mrope_step(positions, sections, freqs, 1.0, torch.float32,
+                             mark_valid=(torch.zeros(2, 4), positions[0, 0]))
     with pytest.raises(ValueError, match="slot"):
         fused_ops.mrope_step(positions, sections, freqs, 1.0, torch.float32,
                              mark_valid=(torch.zeros(2, 4, dtype=torch.bool), torch.tensor([1.0])))
