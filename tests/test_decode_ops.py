@@ -676,6 +676,7 @@ def _mrope_inputs(B, R, device, seed=0):
     return positions.to(device), sections.to(device), freqs.to(device)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("B,R", [(1, 8), (3, 12), (2, 64)])
 @pytest.mark.parametrize("scaling", [1.0, 1.1386])
@@ -684,7 +685,6 @@ def test_mrope_step_cpu(dtype, B, R, scaling, advance):
     """The kernel (interpreter) against `mrope_step_ref`: cos / sin within a unit in the last place (the interpreter's
     numpy cos / sin against torch's); the positions moved on by one only with `advance`; with `mark_valid`, the
     slot's column of the key mask set and nothing else touched."""
-    needs_interpreter()
     positions, sections, freqs = _mrope_inputs(B, R, "cpu")
     ref_positions = positions.clone()
     mark = None
