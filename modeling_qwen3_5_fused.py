@@ -527,9 +527,10 @@ def _rope_plan(rot, device) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """For stock's interleaved-mRoPE text rotary module ``rot`` with a static type: ``(sections [R], freqs [R],
     attention_scaling)`` for ``mrope_step``, R = 2 * len(inv_freq) the rotary dims of cos / sin: dimension d reads
     position row ``sections[d]`` (0 / 1 / 2 = t / h / w, stock's ``recomposition_frequencies``) and float32 frequency
-    ``freqs[d] = inv_freq[d mod R/2]`` (stock's ``cat((f, f))``; a static type never changes ``inv_freq``). None for any other module (a subclass's
-    forward, a dynamic type) and for a module on another device than ``device`` (a model split over devices, where
-    accelerate's hook moves the module's inputs to it), which the step then calls as it is."""
+    ``freqs[d] = inv_freq[d mod R/2]`` (stock's ``cat((f, f))``; a static type never changes ``inv_freq``). None for
+    any other module (a subclass's forward, a dynamic type) and for a module on another device than ``device`` (a
+    model split over devices, where accelerate's hook moves the module's inputs to it), which the step then calls as
+    it is."""
     here, there = torch.device(device), rot.inv_freq.device
     if (
         type(rot).forward is not stock.Qwen3_5TextRotaryEmbedding.forward
