@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts import benchmark_latency, eval_quality, generate
+from helpers import fused_on_cpu, fused_ops, modeling  # noqa: F401 - fused_on_cpu: the fixture
+from scripts import ab_decode, benchmark_latency, eval_quality, generate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,3 +120,49 @@ def test_benchmark_gemv_shapes_and_cpu_refusal():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             benchmark_gemv.main(["--shapes", "0.8B"])
+
+
+def _ab(tmp_path, *variants, batches="1,2"):
+    args = ["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", batches, "--new-tokens", "3",
+            "--repeats", "1", "--out", str(tmp_path)]
+    for v in variants:
+        args += ["--variant", v]
+    return ab_decode.main(args)
+
+
+def test_ab_decode_runs_the_fused_decode_on_cpu(tmp_path, fused_on_cpu):
+    """Through the fused decode loop (kernels swapped for their references): a setting that changes only how often
+    the host reads the stop flags gives the baseline's tokens, and every constant is restored afterwards."""
+    results = _ab(tmp_path, "base:", "every1:modeling._STOP_CHECK_EVERY=1,fused_ops._DA_MIN_SPLIT=32")
+    tiny = results["models"]["tiny"]
+    assert set(tiny) == {"1", "2"} and set(tiny["2"]) == {"base", "every1"}
+    assert tiny["1"]["base"]["delta_ms"] == 0.0 and tiny["1"]["base"]["first_divergence"] is None
+    assert tiny["2"]["every1"]["first_divergence"] is None
+    assert tiny["2"]["every1"]["min"] <= tiny["2"]["every1"]["ms_per_token"] <= tiny["2"]["every1"]["max"]
+    assert modeling._STOP_CHECK_EVERY == 8 and fused_ops._DA_MIN_SPLIT == 64
+    assert "| tiny | 2 | every1 |" in (tmp_path / "ab.md").read_text()
+    assert json.loads((tmp_path / "ab.json").read_text())["meta"]["variants"][1].startswith("every1:")
+
+
+def test_ab_decode_applies_settings_and_restores_them_on_error(tmp_path, fused_on_cpu):
+    """A setting the decode loop cannot run with fails inside the run (so it was applied), and is undone."""
+    with pytest.raises(ZeroDivisionError):
+        _ab(tmp_path, "base:", "broken:modeling._STOP_CHECK_EVERY=0", batches="1")
+    assert modeling._STOP_CHECK_EVERY == 8
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("nocolon", "a variant is NAME:"),
+    ("x:torch.cuda=1", "module 'torch' is not one of"),
+    ("x:fused_ops._NO_SUCH=1", "fused_ops has no constant '_NO_SUCH'"),
+    ("x:fused_ops._GDR_BLOCK_V=sixteen", "must be a Python literal, got 'sixteen'"),
+    ("x:fused_ops._GDR_BLOCK_V", "expected MODULE.CONSTANT=VALUE"),
+])
+def test_ab_decode_rejects_bad_variants(spec, match):
+    with pytest.raises(ValueError, match=match):
+        ab_decode.main(["--shapes", "tiny", "--device", "cpu", "--variant", spec])
+
+
+def test_ab_decode_rejects_repeated_names():
+    with pytest.raises(ValueError, match="variant names must differ"):
+        ab_decode.main(["--shapes", "tiny", "--device", "cpu", "--variant", "a:", "--variant", "a:"])
