@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.benchmark_latency import build_pair, log, stock_cpu_guard  # noqa: E402
-from scripts.common import import_repo  # noqa: E402
+from scripts.common import import_repo, write_report  # noqa: E402
 
 
 def parse_variant(spec: str, modules: dict) -> tuple[str, list]:
@@ -175,9 +175,7 @@ def main(argv=None):
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    md = to_markdown(results)
-    (out / "ab.md").write_text(md)
-    print(md)
+    write_report(out, "ab", results, to_markdown(results))
     return results
 
 

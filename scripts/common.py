@@ -7,6 +7,7 @@ the repo root.
 """
 
 import importlib
+import json
 import sys
 import types
 from pathlib import Path
@@ -72,3 +73,12 @@ def real_text_kwargs(size: str, **overrides) -> dict:
     kwargs = dict(REAL_COMMON, **REAL_SHAPES[size])
     kwargs.update(overrides)
     return kwargs
+
+
+def write_report(out: Path, stem: str, results: dict, md: str) -> None:
+    """Write `results` as `<stem>.json` and the Markdown table `md` as `<stem>.md` under `out` (created), and print
+    the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    (out / f"{stem}.md").write_text(md)
+    print(md)

@@ -14,7 +14,6 @@ for greedy generation the first position where the two outputs diverge (None whe
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.benchmark_latency import build_pair, log, stock_cpu_guard  # noqa: E402
+from scripts.common import write_report  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -142,12 +142,7 @@ def main(argv=None):
         del stock, fused
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quality.json").write_text(json.dumps(results, indent=2))
-    md = to_markdown(results)
-    (out / "quality.md").write_text(md)
-    print(md)
+    write_report(Path(args.out), "quality", results, to_markdown(results))
     return results
 
 
