@@ -1272,6 +1272,18 @@ _GEMV_CONFIGS = tuple(GemvConfig(*c) for c in (
     (1, 512, 4, False, 2), (8, 256, 4, False, 2), (4, 2048, 8, False), (2, 2048, 8, False, 2),
 ))
 _GEMV_MAX_M = 16
+# With PDL a GEMV of at least this many weight elements lets the next kernel launch only after its K loop, not at its
+# start. Launched at the start, the next kernel's programs (and, through its own early signal, the GEMV after it) take
+# SM slots while this GEMV still has waves to run, and sit in their wait holding them. In-process A/B (H200,
+# 2026-12-01, PERFORMANCE.md): at 4B batch 1 the late signal on every GEMV read -0.022 and -0.088 ms a token on two
+# machines, on those of >= 9M elements alike (-0.087); at 0.8B on every GEMV +0.015 ms, at >= 9M (its LM head only)
+# +0.0003. Not measured at 9B / 27B, whose linears are all past it.
+_GEMV_LATE_TRIGGER_ELEMS = 9_000_000
+
+
+def _gemv_late_trigger(w: torch.Tensor, pdl: bool) -> bool:
+    """Whether `gemv` on `w` lets the next kernel launch only after its K loop (`_GEMV_LATE_TRIGGER_ELEMS`)."""
+    return pdl and w.numel() >= _GEMV_LATE_TRIGGER_ELEMS
 # `gemv`'s / `small_linear`'s optional conv epilogue: (conv_state [M, C, W], conv weight [C, W], bias [C] or None)
 ConvStep = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -1283,7 +1295,7 @@ if HAS_TRITON:
         stride_s_b, stride_s_d, stride_s_w, stride_cw,
         SWIGLU: tl.constexpr, CONV: tl.constexpr, CONV_W: tl.constexpr, CONV_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
-        ROW_ACC: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
+        ROW_ACC: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr,
     ):
         o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns of this program
         m_n = o_n < N
@@ -1298,7 +1310,7 @@ if HAS_TRITON:
             else:
                 acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
                 acc3_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if PDL:
+        if PDL and not LATE_TRIGGER:  # the next kernel may launch now (else after the loop, below)
             tl.extra.cuda.gdc_launch_dependents()
         # the first weight tile, loaded before the loop: with PDL, while the kernel before drains (no kernel writes
         # the weights); [BN, BK], read once for every row of x
@@ -1340,6 +1352,8 @@ if HAS_TRITON:
                     acc = tl.where(sel, acc + tl.sum(b_w * b_x[None, :], axis=1)[None, :], acc)
                     if SWIGLU:
                         acc_u = tl.where(sel, acc_u + tl.sum(b_wu * b_x[None, :], axis=1)[None, :], acc_u)
+        if LATE_TRIGGER:  # every weight tile of this program is in: the next kernel may launch
+            tl.extra.cuda.gdc_launch_dependents()
         if ROW_ACC:
             if BLOCK_M == 1:
                 acc = tl.sum(acc2, axis=1)[None, :]
@@ -1457,7 +1471,7 @@ def gemv(
             SWIGLU=gate_up, CONV=conv is not None, CONV_W=W, CONV_BIAS=conv_b is not None,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_W=triton.next_power_of_2(W),
             ROW_ACC=row_acc, UNROLL=cfg.unroll, num_warps=num_warps,
-            PDL=pdl,
+            PDL=pdl, LATE_TRIGGER=_gemv_late_trigger(w, pdl),
             **_pdl_launch(pdl),
         )
     return y

@@ -525,6 +525,16 @@ def test_gemv_configs_cpu(config, M):
     check_gemv("cpu", torch.float32, M, 21, 50, False, config=config)
 
 
+def test_gemv_late_trigger_decision(monkeypatch):
+    """With PDL a weight of `_GEMV_LATE_TRIGGER_ELEMS` elements or more signals the next kernel after the weight loop
+    (the 4B linears from out_proj up, every 9B one, the LM heads), a smaller one at its start; without PDL neither."""
+    small, big = torch.empty(1024, 3584), torch.empty(2560, 4096)  # 0.8B down, 4B out_proj
+    assert not fused_ops._gemv_late_trigger(small, True) and fused_ops._gemv_late_trigger(big, True)
+    assert not fused_ops._gemv_late_trigger(big, False)
+    monkeypatch.setattr(fused_ops, "_GEMV_LATE_TRIGGER_ELEMS", small.numel())
+    assert fused_ops._gemv_late_trigger(small, True)
+
+
 def test_gemv_rejects_a_bad_unroll():
     x, w = torch.randn(1, 16), torch.randn(4, 16)
     with pytest.raises(ValueError, match="unroll must be 1 or more, got 0"):
@@ -656,12 +666,17 @@ assert "approx" not in kernel.asm["ptx"], "mrope_step must take the full-precisi
 configs = fused_ops._GEMV_CONFIGS + (fused_ops.GemvConfig(2, 1024, 4, False, 2), fused_ops.GemvConfig(2, 256, 4, False, 4))
 for i, c in enumerate(configs):
     epilogue, block_m = ("plain", "swiglu", "conv")[i % 3], (1, 8)[i // 3 % 2]
-    compile_(fused_ops._gemv_kernel,
+    late = fused_ops._HAS_GDC and i % 2 == 1
+    kernel = compile_(fused_ops._gemv_kernel,
              dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", s_ptr="*bf16", cw_ptr="*bf16", cb_ptr="*bf16"),
              dict(SWIGLU=epilogue == "swiglu", CONV=epilogue == "conv", CONV_W=4, CONV_BIAS=False,
                   BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_W=4,
                   ROW_ACC=fused_ops._gemv_row_acc(c, block_m, c.block_k, epilogue == "swiglu"),
-                  UNROLL=c.unroll), c.warps)
+                  UNROLL=c.unroll, LATE_TRIGGER=late), c.warps)
+    if fused_ops._HAS_GDC:  # the next kernel may launch before the wait, or (late) only after the weight loop
+        ptx = kernel.asm["ptx"]
+        launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
+        assert (launch > wait) == late and ptx.count("griddepcontrol.launch_dependents") == 1, (c, late)
 """
 
 
