@@ -103,7 +103,8 @@ def _device_guard(t: torch.Tensor):
 # otherwise starts only after the one before has drained: launch, ramp-up and tail are paid one after another.
 # With PDL every kernel of ours is launched so that it may start while the one before finishes; it first signals
 # that the next kernel may launch too (`gdc_launch_dependents`), then waits on the grid dependency (`gdc_wait`:
-# every earlier kernel complete, its writes visible) before it reads or writes anything an earlier kernel touches.
+# every earlier kernel complete, its writes visible) before it reads or writes anything an earlier kernel touches;
+# a GEMV of a large weight signals only after its weight loop instead (`_GEMV_LATE_TRIGGER_ELEMS`).
 # The GEMV loads its first weight tile before the wait (no kernel writes the weights), so its reads overlap the
 # kernel before it. Kernels that are not ours (cuBLAS, torch) are launched normally and wait as always. Set False
 # to turn it off (an A/B switch for benchmarks; read at launch, so it takes effect at the next capture).
@@ -1284,6 +1285,8 @@ _GEMV_LATE_TRIGGER_ELEMS = 9_000_000
 def _gemv_late_trigger(w: torch.Tensor, pdl: bool) -> bool:
     """Whether `gemv` on `w` lets the next kernel launch only after its K loop (`_GEMV_LATE_TRIGGER_ELEMS`)."""
     return pdl and w.numel() >= _GEMV_LATE_TRIGGER_ELEMS
+
+
 # `gemv`'s / `small_linear`'s optional conv epilogue: (conv_state [M, C, W], conv weight [C, W], bias [C] or None)
 ConvStep = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 

@@ -668,11 +668,11 @@ for i, c in enumerate(configs):
     epilogue, block_m = ("plain", "swiglu", "conv")[i % 3], (1, 8)[i // 3 % 2]
     late = fused_ops._HAS_GDC and i % 2 == 1
     kernel = compile_(fused_ops._gemv_kernel,
-             dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", s_ptr="*bf16", cw_ptr="*bf16", cb_ptr="*bf16"),
-             dict(SWIGLU=epilogue == "swiglu", CONV=epilogue == "conv", CONV_W=4, CONV_BIAS=False,
-                  BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_W=4,
-                  ROW_ACC=fused_ops._gemv_row_acc(c, block_m, c.block_k, epilogue == "swiglu"),
-                  UNROLL=c.unroll, LATE_TRIGGER=late), c.warps)
+                      dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", s_ptr="*bf16", cw_ptr="*bf16", cb_ptr="*bf16"),
+                      dict(SWIGLU=epilogue == "swiglu", CONV=epilogue == "conv", CONV_W=4, CONV_BIAS=False,
+                           BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_W=4,
+                           ROW_ACC=fused_ops._gemv_row_acc(c, block_m, c.block_k, epilogue == "swiglu"),
+                           UNROLL=c.unroll, LATE_TRIGGER=late), c.warps)
     if fused_ops._HAS_GDC:  # the next kernel may launch before the wait, or (late) only after the weight loop
         ptx = kernel.asm["ptx"]
         launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
