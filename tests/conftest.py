@@ -1,7 +1,8 @@
 """Shared test set-up.
 
 - `@pytest.mark.cuda` tests are skipped where no GPU is visible (CI is CPU-only); run them on the device with
-  `python -m pytest -m cuda`.
+  `python -m pytest -m cuda`, or over several processes with `bash scripts/run_cuda_tests.sh`.
+- Tests of our kernels on CPU tensors carry `helpers.needs_interpreter`: skipped where a GPU is visible.
 - Without a GPU, Triton kernels run under the interpreter (`TRITON_INTERPRET=1`), which must be set before
   `triton.jit` decorates anything, so it is set here, before any test module imports `fused_ops`.
 """

@@ -508,6 +508,7 @@ def check_gemv(device, dtype, M, N, K, gate_up, config=None, seed=0):
     assert err <= BOUND[dtype], f"rel_err {err:.3g} > {BOUND[dtype]:g}"
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("M,N,K", [(1, 5, 16), (3, 37, 70), (8, 9, 33)])
 @pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
@@ -515,6 +516,7 @@ def test_gemv_cpu(dtype, M, N, K, gate_up):
     check_gemv("cpu", dtype, M, N, K, gate_up, config=(4, 32, 1))
 
 
+@needs_interpreter
 @pytest.mark.parametrize("config", [(8, 16, 1), (4, 64, 2), (4, 16, 1, True), (4, 16, 1, False), (4, 16, 1, False, 2),
                                     (2, 8, 1, True, 3), (4, 16, 1, False, 4)])
 @pytest.mark.parametrize("M", [1, 2])
@@ -565,6 +567,7 @@ def check_gemv_conv(device, dtype, M, N, K, C, W=4, config=None, bias=False, see
         assert rel_err(state.float(), state_ref.float()) <= BOUND[dtype]
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("M,N,K,C", [(1, 13, 16, 6), (3, 37, 40, 19), (2, 8, 24, 8)], ids=["M1", "M3", "all-conv"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
@@ -572,6 +575,7 @@ def test_gemv_conv_cpu(dtype, M, N, K, C, bias):
     check_gemv_conv("cpu", dtype, M, N, K, C, config=(4, 32, 1), bias=bias)
 
 
+@needs_interpreter
 def test_small_linear_conv_on_cpu_is_two_launches():
     """The cuBLAS path of `small_linear` with `conv`: `F.linear`, then the conv step in place on the first C columns."""
     gen = torch.Generator().manual_seed(0)
@@ -609,6 +613,7 @@ def test_timing_weights_are_the_weight_and_bounded_copies(mb):
         assert sum(c.nbytes for c in ws) > 50 * 2**20
 
 
+@needs_interpreter
 def test_small_linear_on_cpu_is_cublas_path():
     """Off CUDA (and for shapes `gemv` does not take) the choice is `F.linear`, made once per shape."""
     x, w = torch.randn(2, 16), torch.randn(12, 16)

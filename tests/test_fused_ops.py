@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import fused_ops
-from helpers import DTYPE_IDS, DTYPES, compile_for_sm90
+from helpers import DTYPE_IDS, DTYPES, compile_for_sm90, needs_interpreter
 from transformers import AttentionInterface
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
@@ -232,6 +232,7 @@ def check_attn_prep_into_cache(device, dtype, B, H, KV, D, R, L, slot, hidden=No
     assert_exact("values vs attn_prep_ref", values, values_ref)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("B, H, KV, D, R, L, slot", [(1, 4, 2, 32, 8, 8, 0), (3, 2, 1, 16, 16, 5, 4)],
                          ids=["B1-slot0", "B3-last-slot"])
@@ -287,6 +288,7 @@ def check_swiglu(device, dtype, B, T, hidden, I, row_pad=0):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     "B, T, N", [(1, 1, 64), (2, 7, 1000), (1, 3, 48)], ids=["B1-T1-N64", "B2-T7-N1000", "B1-T3-N48"]
@@ -295,6 +297,7 @@ def test_rms_norm_cpu(dtype, B, T, N):
     check_rms_norm("cpu", dtype, B, T, N)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     "B, T, N, row_pad", [(1, 1, 64, 0), (2, 7, 40, 24)], ids=["B1-T1-N64", "B2-T7-N40-rowpad24"]
@@ -303,15 +306,18 @@ def test_rms_norm_residual_cpu(dtype, B, T, N, row_pad):
     check_rms_norm("cpu", dtype, B, T, N, residual=True, row_pad=row_pad)
 
 
+@needs_interpreter
 def test_rms_norm_t129_cpu():
     check_rms_norm("cpu", torch.bfloat16, 1, 129, 32, residual=True)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16], ids=["w-fp32", "w-fp16"])
 def test_rms_norm_weight_dtype_cpu(weight_dtype):
     check_rms_norm("cpu", torch.bfloat16, 1, 5, 96, weight_dtype=weight_dtype)
 
 
+@needs_interpreter
 def test_rms_norm_1d_and_2d_views_cpu():
     torch.manual_seed(0)
     w = torch.randn(80) * 0.1
@@ -322,6 +328,7 @@ def test_rms_norm_1d_and_2d_views_cpu():
     assert_close("2-D strided x", fused_ops.rms_norm(x2, w, EPS), fused_ops.rms_norm_ref(x2, w, EPS))
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     "B, T, H, KV, D, R, row_pad, cos_batch1",
@@ -336,6 +343,7 @@ def test_attn_prep_cpu(dtype, B, T, H, KV, D, R, row_pad, cos_batch1):
     check_attn_prep("cpu", dtype, B, T, H, KV, D, R, row_pad=row_pad, cos_batch1=cos_batch1)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     "B, T, H, D, o_layout, gate_pad",
@@ -346,6 +354,7 @@ def test_sigmoid_gate_mul_cpu(dtype, B, T, H, D, o_layout, gate_pad):
     check_sigmoid_gate_mul("cpu", dtype, B, T, H, D, o_layout, gate_pad)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     "B, T, hidden, I, row_pad",
@@ -356,10 +365,12 @@ def test_swiglu_cpu(dtype, B, T, hidden, I, row_pad):
     check_swiglu("cpu", dtype, B, T, hidden, I, row_pad)
 
 
+@needs_interpreter
 def test_swiglu_t129_cpu():
     check_swiglu("cpu", torch.bfloat16, 1, 129, 16, 24)
 
 
+@needs_interpreter
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy exp, on purpose
 def test_swiglu_large_values_cpu():
     """silu of large |g| (exp overflow to inf for g << 0) must give 0 and g, like torch."""

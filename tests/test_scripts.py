@@ -166,3 +166,66 @@ def test_ab_decode_rejects_bad_variants(spec, match):
 def test_ab_decode_rejects_repeated_names():
     with pytest.raises(ValueError, match="variant names must differ"):
         ab_decode.main(["--shapes", "tiny", "--device", "cpu", "--variant", "a:", "--variant", "a:"])
+
+
+def _run_shards(root, env_extra, *paths):
+    """`scripts/run_cuda_tests.sh` copied into `root`, a stand-in repository of its own, and run there."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    (root / "scripts").mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "scripts" / "run_cuda_tests.sh", root / "scripts")
+    (root / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: needs a GPU\n")
+    env = {**os.environ, "PYTHON": sys.executable, "LOGS": str(root / "logs"), **env_extra}
+    return subprocess.run(["bash", "scripts/run_cuda_tests.sh", *paths], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_run_cuda_tests_deals_every_id_once_and_reports_failures(tmp_path):
+    """`run_cuda_tests.sh` gives each collected test to exactly one shard, runs them all, and fails when one fails
+    (on CPU, with the marker filter off, over a test file made here: two shards pass, one fails)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_probe.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('i', range(4))\ndef test_ok(i):\n    pass\n\n"
+        "def test_bad():\n    assert 1 == 2, 'probe failure'\n")
+    res = _run_shards(tmp_path, {"SHARDS": "3", "MARK": ""})
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "collected 5 tests" in res.stdout
+    logs = tmp_path / "logs"
+    dealt = [line for i in range(3) for line in (logs / f"ids_{i}.txt").read_text().splitlines()]
+    assert sorted(dealt) == sorted((logs / "ids.txt").read_text().splitlines()) and len(set(dealt)) == 5
+    assert res.stdout.count("FAILED (pytest exit 1)") == 1 and "test_bad" in res.stdout
+    assert res.stdout.count(": ok: ") == 2
+
+
+def test_run_cuda_tests_refuses_bad_settings_and_empty_collections(tmp_path):
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_plain.py").write_text("def test_plain():\n    pass\n")
+    res = _run_shards(tmp_path, {})  # no CUDA-marked test in it
+    assert res.returncode == 2 and "nothing collected" in res.stderr
+    res = _run_shards(tmp_path, {"SHARDS": "0"})
+    assert res.returncode == 2 and "SHARDS must be a positive integer, got '0'" in res.stderr
+    res = _run_shards(tmp_path, {"CAP": "ten"})
+    assert res.returncode == 2 and "got 'ten'" in res.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="simulates a GPU machine's run on a machine without one")
+def test_kernel_test_files_pass_without_the_interpreter(tmp_path):
+    """On a GPU machine the interpreter is off, so every test that runs our Triton kernels on CPU tensors must skip
+    (`helpers.needs_interpreter`) rather than fail. `TRITON_INTERPRET=0` gives the same situation here: a Triton
+    launch on CPU tensors without the interpreter fails, so an unmarked CPU kernel test fails this run."""
+    import os
+    import subprocess
+    import sys
+
+    files = ["tests/test_fused_ops.py", "tests/test_decode_ops.py", "tests/test_decode_attention.py",
+             "tests/test_deltanet_prefill_ops.py"]
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
+                          "-k", "not compile", *files], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=900)
+    tail = res.stdout[-3000:]
+    assert res.returncode == 0, tail
+    assert "CPU tensors need the Triton interpreter" in res.stdout, tail  # the marked tests skipped, by name
