@@ -1278,8 +1278,13 @@ _GEMV_MAX_M = 16
 # SM slots while this GEMV still has waves to run, and sit in their wait holding them. In-process A/B (H200,
 # 2026-12-01, PERFORMANCE.md): at 4B batch 1 the late signal on every GEMV read -0.022 and -0.088 ms a token on two
 # machines, on those of >= 9M elements alike (-0.087); at 0.8B on every GEMV +0.015 ms, at >= 9M (its LM head only)
-# +0.0003. Not measured at 9B / 27B, whose linears are all past it.
+# +0.0003. At 9B, whose linears are all past it, -0.044 ms (4B -0.034 in the same run); 27B not measured.
 _GEMV_LATE_TRIGGER_ELEMS = 9_000_000
+
+
+def gemv_late_signal_min_elems() -> int:
+    """With PDL, the weight size (elements) from which `gemv` signals the next kernel after its loop (`describe()`)."""
+    return _GEMV_LATE_TRIGGER_ELEMS
 
 
 def _gemv_late_trigger(w: torch.Tensor, pdl: bool) -> bool:

@@ -81,6 +81,7 @@ from .fused_ops import (
     gated_delta_rule_prefill,
     gated_delta_rule_step,
     gated_rms_norm,
+    gemv_late_signal_min_elems,
     kernels_available,
     mrope_step,
     pdl_enabled,
@@ -1857,6 +1858,10 @@ class _FusedPreTrainedMixin:
             "cuda_graphs": bool(graphs and reason is None and device.type == "cuda"),
             # our kernels launched with programmatic dependent launch (sm_90+; fused_ops.pdl_enabled)
             "pdl": bool(reason is None and pdl_enabled(device)),
+            # with PDL, a GEMV of a weight this large lets the next kernel launch only after its weight loop
+            "pdl_gemv_late_signal_min_weight_elems": (
+                gemv_late_signal_min_elems() if reason is None and pdl_enabled(device) else None
+            ),
             "falls_back": "beam search, assisted / contrastive decoding, a cache passed in, cache_implementation, "
             "output_attentions / output_hidden_states (a model split over devices decodes fused, without graphs)",
             "buckets": [

@@ -217,6 +217,21 @@ def test_moving_the_model_frees_decode_buffers():
     assert fused.describe()["decode"]["path"] == "stock"
 
 
+def test_describe_reports_pdl_and_the_gemv_late_signal(monkeypatch):
+    """`describe()["decode"]` says whether our kernels use PDL and, when they do, the weight size from which the GEMV
+    signals the next kernel after its loop (the live value of the constant, as an A/B sets it); neither on CPU."""
+    _, fused = stock_and_fused_lm(seed=0)
+    decode = fused.describe()["decode"]
+    assert decode["pdl"] is False and decode["pdl_gemv_late_signal_min_weight_elems"] is None
+    monkeypatch.setattr(modeling, "pdl_enabled", lambda device: True)
+    assert fused.describe()["decode"]["pdl_gemv_late_signal_min_weight_elems"] == 9_000_000
+    monkeypatch.setattr(fused_ops, "_GEMV_LATE_TRIGGER_ELEMS", 123)
+    decode = fused.describe()["decode"]
+    assert decode["pdl"] is True and decode["pdl_gemv_late_signal_min_weight_elems"] == 123
+    fused.set_fused_kernels(False)
+    assert fused.describe()["decode"]["pdl_gemv_late_signal_min_weight_elems"] is None
+
+
 def test_trained_model_pipeline_streamer_and_chat_template():
     """The shipped checkpoint through pipeline("text-generation"), a TextStreamer and its chat template."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer, pipeline
