@@ -8,14 +8,14 @@
         --variant a: --variant b:fused_ops._DA_MIN_SPLIT=32
 
 A variant is `NAME:` followed by a comma list of `MODULE.CONSTANT=VALUE`. MODULE is `fused_ops` or `modeling`, the
-repo's files; VALUE is a Python literal. The first variant is the baseline. Only the fused model is built, once per
-shape, with random weights. Each variant sets its constants and drops the model's graphs
-(`set_fused_kernels(False)` then `(True)`), then two 4-token `generate` calls warm and capture. `small_linear`'s
-per-shape choices stay, so the variants differ only in what they set. Repeats are interleaved (A B C A B C ...),
-so a drift of the card spreads over every variant. ms per token = (t(1 + N new tokens) - t(1)) / N, as in
-`benchmark_latency.py`. For each variant the script prints the median, min and max over repeats, the change
-against the baseline, and the first position where its greedy tokens leave the baseline's. Every constant is
-restored afterwards. Writes `ab.json` and `ab.md` to --out.
+repo's files; VALUE is a Python literal (a tuple or set literal too: commas inside it do not split). The first variant
+is the baseline. Only the fused model is built, once per shape, with random weights. Each variant sets its constants
+and drops the model's graphs (`set_fused_kernels(False)` then `(True)`), then two 4-token `generate` calls warm and
+capture. `small_linear`'s per-shape choices stay, so the variants differ only in what they set. Repeats are
+interleaved (A B C A B C ...), so a drift of the card spreads over every variant. ms per token =
+(t(1 + N new tokens) - t(1)) / N, as in `benchmark_latency.py`. For each variant the script prints the median, min and max over repeats,
+the change against the baseline, and the first position where its greedy tokens leave the baseline's. Every constant
+is restored afterwards. Writes `ab.json` and `ab.md` to --out.
 
 This is the method of the A/B tables in PERFORMANCE.md. Stock is not run: for the ratio to stock and to the
 weight-read floor, run `benchmark_latency.py`.
@@ -24,6 +24,7 @@ weight-read floor, run `benchmark_latency.py`.
 import argparse
 import ast
 import json
+import re
 import statistics
 import sys
 import time
@@ -43,7 +44,8 @@ def parse_variant(spec: str, modules: dict) -> tuple[str, list]:
     if not sep or not name:
         raise ValueError(f"a variant is NAME:MODULE.CONSTANT=VALUE,... (NAME: alone for none), got {spec!r}.")
     settings = []
-    for item in filter(None, (s.strip() for s in body.split(","))):
+    # items split only at a comma followed by the next MODULE.CONSTANT=, so a value may be a tuple or set literal
+    for item in filter(None, (s.strip() for s in re.split(r",(?=\s*\w+\.\w+\s*=)", body))):
         target, eq, text = item.partition("=")
         mod_name, dot, const = target.partition(".")
         if not eq or not dot:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.common import import_repo, real_text_kwargs, tiny_text_kwargs  # noqa: E402
+from scripts.common import import_repo, real_text_kwargs, tiny_text_kwargs, write_report  # noqa: E402
 
 
 def stock_cpu_guard(device):
@@ -672,11 +672,9 @@ def main(argv=None):
         del stock, fused, models
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    md = to_markdown(results)
-    (out / "results.md").write_text(md)
+    write_report(out, "results", results, to_markdown(results))
     plot(results, out / "latency.png")
     plot_decode(results, out / "decode.png")
-    print(md)
     return results
 
 

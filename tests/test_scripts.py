@@ -2,6 +2,10 @@
 
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -163,6 +167,17 @@ def test_ab_decode_rejects_bad_variants(spec, match):
         ab_decode.main(["--shapes", "tiny", "--device", "cpu", "--variant", spec])
 
 
+def test_ab_decode_variant_values_may_hold_commas():
+    """A tuple or set value keeps its commas; the next item starts only at `MODULE.CONSTANT=`."""
+    modules = {"fused_ops": fused_ops, "modeling": modeling}
+    name, settings = ab_decode.parse_variant(
+        "v:fused_ops._DA_MIN_SPLIT=32, fused_ops.PDL_ENABLED=False,modeling._STOP_CHECK_EVERY=(1, 2),"
+        "fused_ops._GEMV_MAX_M={'a', 'b'}", modules)
+    assert name == "v"
+    assert [(c, v) for _, c, v in settings] == [("_DA_MIN_SPLIT", 32), ("PDL_ENABLED", False),
+                                                ("_STOP_CHECK_EVERY", (1, 2)), ("_GEMV_MAX_M", {"a", "b"})]
+
+
 def test_ab_decode_rejects_repeated_names():
     with pytest.raises(ValueError, match="variant names must differ"):
         ab_decode.main(["--shapes", "tiny", "--device", "cpu", "--variant", "a:", "--variant", "a:"])
@@ -170,11 +185,6 @@ def test_ab_decode_rejects_repeated_names():
 
 def _run_shards(root, env_extra, *paths):
     """`scripts/run_cuda_tests.sh` copied into `root`, a stand-in repository of its own, and run there."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
     (root / "scripts").mkdir(parents=True, exist_ok=True)
     shutil.copy(REPO / "scripts" / "run_cuda_tests.sh", root / "scripts")
     (root / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: needs a GPU\n")
@@ -216,10 +226,6 @@ def test_kernel_test_files_pass_without_the_interpreter(tmp_path):
     """On a GPU machine the interpreter is off, so every test that runs our Triton kernels on CPU tensors must skip
     (`helpers.needs_interpreter`) rather than fail. `TRITON_INTERPRET=0` gives the same situation here: a Triton
     launch on CPU tensors without the interpreter fails, so an unmarked CPU kernel test fails this run."""
-    import os
-    import subprocess
-    import sys
-
     files = ["tests/test_fused_ops.py", "tests/test_decode_ops.py", "tests/test_decode_attention.py",
              "tests/test_deltanet_prefill_ops.py"]
     env = {**os.environ, "TRITON_INTERPRET": "0"}
