@@ -4,14 +4,16 @@ The classes subclass the stock transformers Qwen3.5 configs and keep their ``mod
 ``qwen3_5_text``), so a checkpoint written with them still loads as a stock Qwen3.5 model (and in vLLM / SGLang)
 when ``trust_remote_code`` is not given. They add two switches:
 
-- ``fused_kernels`` (bool): run the fused inference kernels where they cover the call. Off by default in the
-  class; the repo's ``config.json`` turns it on.
-- ``cuda_graphs`` (bool): capture the fused single-token decode step and the no-cache forward (per length bucket)
-  in CUDA graphs (used only when ``fused_kernels`` is on and the model runs on a GPU).
+- ``fused_kernels`` (bool, or None for "not set"): run the fused inference kernels where they cover the call. Unset
+  in the class (stock behaviour); the repo's ``config.json`` turns it on.
+- ``cuda_graphs`` (bool, default True): capture the fused decode step, the prompt and the no-cache forward (per
+  length bucket) in CUDA graphs (used only when the fused kernels run on a GPU).
 
-Both can be overridden without editing files: ``from_pretrained(repo, trust_remote_code=True, fused_kernels=False)``
-or the environment variables ``QWEN3_5_FUSED_KERNELS`` / ``QWEN3_5_CUDA_GRAPHS`` (``0``/``1``), which win over the
-config when set.
+Precedence, one rule for both: **an explicit False wins**, from the config (``config.json``, ``from_pretrained(...,
+fused_kernels=False)``, ``set_fused_kernels(False)``) or from the environment (``QWEN3_5_FUSED_KERNELS=0`` /
+``QWEN3_5_CUDA_GRAPHS=0``). Otherwise an explicit True from either turns the switch on, and an unset switch keeps
+its default. The environment variables accept 1/0, true/false, yes/no, on/off (or empty: unset); anything else is
+refused when the model is built. :func:`resolve_switches` is the only place the environment is read.
 """
 
 import os
@@ -27,6 +29,7 @@ CUDA_GRAPHS_ENV = "QWEN3_5_CUDA_GRAPHS"
 SWITCHES = {"fused_kernels": FUSED_KERNELS_ENV, "cuda_graphs": CUDA_GRAPHS_ENV}
 _ENV_TRUE = ("1", "true", "yes", "on")
 _ENV_FALSE = ("0", "false", "no", "off")
+DEFAULTS = {"fused_kernels": False, "cuda_graphs": True}
 
 
 # `auto_map` entries of a repo that ships this code, by checkpoint layout. Composite (vision-language) repos, the
@@ -45,15 +48,18 @@ AUTO_MAP_COMPOSITE = {
 }
 
 
-def check_switch(name: str, value) -> bool:
-    """Return ``value`` if it is a bool, else raise ``ValueError`` naming the switch, the value and what is allowed."""
-    if isinstance(value, bool):
+def check_switch(name: str, value, allow_unset: bool = False) -> bool | None:
+    """Return ``value`` if it is a bool (or None with ``allow_unset``), else raise ``ValueError`` naming the switch,
+    the value and what is allowed."""
+    if isinstance(value, bool) or (allow_unset and value is None):
         return value
-    raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
+    allowed = "True, False or None (unset)" if allow_unset else "True or False"
+    raise ValueError(f"`{name}` must be {allowed}, got {value!r} ({type(value).__name__}).")
 
 
 def env_switch(name: str) -> bool | None:
-    """The value of the environment override for switch ``name``, or None when the variable is unset or empty."""
+    """The value of the environment override for switch ``name``, or None when the variable is unset or empty;
+    ``ValueError`` naming the variable, its value and the accepted values otherwise."""
     var = SWITCHES[name]
     raw = os.environ.get(var, "").strip().lower()
     if not raw:
@@ -62,20 +68,32 @@ def env_switch(name: str) -> bool | None:
         return True
     if raw in _ENV_FALSE:
         return False
-    raise ValueError(f"Environment variable {var}={os.environ[var]!r} is not understood; use 0 or 1.")
+    raise ValueError(
+        f"Environment variable {var}={os.environ[var]!r} is not understood; set it to 1 or 0 (or unset it)."
+    )
 
 
 def resolve_switch(config, name: str) -> bool:
-    """The effective value of a switch: the environment override when set, else the (validated) config value."""
+    """The effective value of a switch (see the module docstring): an explicit False from the config or the
+    environment wins, then an explicit True from either, then the default (``fused_kernels`` off, ``cuda_graphs``
+    on)."""
+    from_config = check_switch(name, getattr(config, name, None), allow_unset=True)
     from_env = env_switch(name)
-    if from_env is not None:
-        return from_env
-    return check_switch(name, getattr(config, name, False))
+    if False in (from_config, from_env):
+        return False
+    if True in (from_config, from_env):
+        return True
+    return DEFAULTS[name]
+
+
+def resolve_switches(config) -> dict[str, bool]:
+    """Both switches, resolved (validates both environment variables)."""
+    return {name: resolve_switch(config, name) for name in SWITCHES}
 
 
 def _validate(config) -> None:
     for name in SWITCHES:
-        check_switch(name, getattr(config, name))
+        check_switch(name, getattr(config, name), allow_unset=True)
 
 
 class Qwen3_5FusedTextConfig(Qwen3_5TextConfig):
@@ -83,8 +101,8 @@ class Qwen3_5FusedTextConfig(Qwen3_5TextConfig):
 
     model_type = "qwen3_5_text"
 
-    fused_kernels: bool = False
-    cuda_graphs: bool = True
+    fused_kernels: bool | None = None
+    cuda_graphs: bool | None = True
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -109,8 +127,8 @@ class Qwen3_5FusedConfig(Qwen3_5Config):
     else:
         sub_configs = {"vision_config": Qwen3_5VisionConfig, "text_config": Qwen3_5FusedTextConfig}
 
-    fused_kernels: bool = False
-    cuda_graphs: bool = True
+    fused_kernels: bool | None = None
+    cuda_graphs: bool | None = True
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)

@@ -7,8 +7,8 @@
     python scripts/ab_decode.py --shapes tiny --device cpu --dtype float32 --new-tokens 3 --repeats 1 \\
         --variant a: --variant b:fused_ops._DA_MIN_SPLIT=32
 
-A variant is `NAME:` followed by a comma list of `MODULE.CONSTANT=VALUE`. MODULE is `fused_ops` or `modeling`, the
-repo's files; VALUE is a Python literal (a tuple or set literal too: commas inside it do not split). The first variant
+A variant is `NAME:` followed by a comma list of `MODULE.CONSTANT=VALUE`. MODULE is one of the repo's files (by name,
+e.g. `fused_generate`, `fused_ops_gemv`), the one that reads the constant; VALUE is a Python literal (a tuple or set literal too: commas inside it do not split). The first variant
 is the baseline. Only the fused model is built, once per shape, with random weights. Each variant sets its constants
 and drops the model's graphs (`set_fused_kernels(False)` then `(True)`), then two 4-token `generate` calls warm and
 capture. `small_linear`'s per-shape choices stay, so the variants differ only in what they set. Repeats are
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.benchmark_latency import build_pair, log, stock_cpu_guard  # noqa: E402
-from scripts.common import import_repo, write_report  # noqa: E402
+from scripts.common import REPO, import_repo, repo_module, write_report  # noqa: E402
 
 
 def parse_variant(spec: str, modules: dict) -> tuple[str, list]:
@@ -154,7 +154,8 @@ def main(argv=None):
         raise ValueError(f"--new-tokens must be at least 1, got {args.new_tokens}.")
 
     _, modeling, fused_ops = import_repo()
-    variants = [parse_variant(v, {"fused_ops": fused_ops, "modeling": modeling}) for v in args.variant]
+    modules = {path.stem: repo_module(path.stem) for path in REPO.glob("*.py")}  # every repo module, by file name
+    variants = [parse_variant(v, modules) for v in args.variant]
     names = [name for name, _ in variants]
     if len(set(names)) != len(names):
         raise ValueError(f"variant names must differ, got {names}.")

@@ -475,7 +475,7 @@ def _stock_runs_on(device: str):
     plain-torch functions instead (the fused classes' own fallback does the same)."""
     if device == "cpu":
         _, modeling, _ = import_repo()
-        with modeling._torch_reference_kernels():
+        with compat.torch_reference_kernels():
             yield
     else:
         yield

@@ -48,6 +48,13 @@ def import_repo():
     )
 
 
+def repo_module(name: str):
+    """One of the repo's top-level code modules (``fused_plan``, ``fused_ops_gemv``, ...), imported as part of the
+    package (``import_repo``), so that every caller shares one copy of it."""
+    import_repo()
+    return importlib.import_module(f"{PACKAGE}.{name}")
+
+
 def tiny_text_kwargs(**overrides) -> dict:
     """A 4-layer Qwen3.5 text config (3 linear : 1 full) small enough for CPU tests, with real head ratios."""
     kwargs = dict(

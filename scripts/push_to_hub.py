@@ -23,7 +23,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-CODE_FILES = ("configuration_qwen3_5_fused.py", "modeling_qwen3_5_fused.py", "fused_ops.py")
+# the remote code: every top-level module of this repo
+CODE_FILES = tuple(sorted(p.name for p in Path(__file__).resolve().parents[1].glob("*.py")))
 CONFIG_FILES = ("config.json", "generation_config.json")
 WEIGHT_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

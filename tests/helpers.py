@@ -8,9 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.common import import_repo, tiny_text_kwargs, tiny_vision_kwargs
+from scripts.common import import_repo, repo_module, tiny_text_kwargs, tiny_vision_kwargs
 
 configuration, modeling, fused_ops = import_repo()
+compat = repo_module("fused_compat")
+plan_mod = repo_module("fused_plan")
+layers = repo_module("fused_layers")
+graphs = repo_module("fused_graphs")
+decode = repo_module("fused_decode")
+runner_mod = repo_module("fused_runner")
+generate_mod = repo_module("fused_generate")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -119,7 +126,7 @@ def ieee_stock(model):
     forward = model.forward
 
     def ieee_forward(*args, **kwargs):
-        with modeling._torch_reference_kernels():
+        with compat.torch_reference_kernels():
             return forward(*args, **kwargs)
 
     model.forward = ieee_forward
@@ -134,7 +141,7 @@ def run_stock(model, *args, **kwargs):
     """Call a stock transformers model on CPU. With fla installed, stock Qwen3.5 sends CPU tensors into fla's Triton
     kernels and crashes; the reference runs its plain-torch functions instead (the same routing the fused classes do
     for their fallback)."""
-    with modeling._torch_reference_kernels():
+    with compat.torch_reference_kernels():
         return model(*args, **kwargs)
 
 
@@ -145,7 +152,7 @@ def cache_of(generate_output):
 
 
 def generate_stock(model, *args, **kwargs):
-    with modeling._torch_reference_kernels():
+    with compat.torch_reference_kernels():
         return model.generate(*args, **kwargs)
 
 
@@ -166,7 +173,7 @@ def padded_batch(batch: int, seq_len: int, padding: str | None, vocab: int = 256
     return ids, mask
 
 
-CODE_FILES = ("configuration_qwen3_5_fused.py", "modeling_qwen3_5_fused.py", "fused_ops.py")
+CODE_FILES = tuple(sorted(p.name for p in REPO.glob("*.py")))  # every top-level module is remote code
 AUTO_MAP_TEXT = configuration.AUTO_MAP_TEXT
 AUTO_MAP_COMPOSITE = configuration.AUTO_MAP_COMPOSITE
 
@@ -210,13 +217,9 @@ def offline_env(cache_dir, modules_dir) -> dict:
 
 
 def emulate_fused_on_cpu(monkeypatch):
-    """Let the fused path run on CPU tensors with torch references for every kernel (build models after this)."""
-    monkeypatch.setattr(modeling, "_FUSED_DEVICE_TYPES", ("cuda", "cpu"))
-    monkeypatch.setattr(modeling, "kernels_available", lambda: None)
-    for name in ("rms_norm", "attn_prep", "sigmoid_gate_mul", "swiglu", "small_linear",
-                 "gated_delta_rule_step", "deltanet_prep", "gated_rms_norm", "gated_delta_rule_prefill",
-                 "decode_attention", "mrope_step"):
-        monkeypatch.setattr(modeling, name, getattr(fused_ops, f"{name}_ref"))
+    """Let the fused path run on CPU tensors with torch references for every kernel (build models after this: the
+    plan is resolved when a model is built, moved or put in eval mode)."""
+    monkeypatch.setattr(plan_mod, "EMULATE_ON_CPU", True)
 
 
 def new_weights(model, seed=5):
@@ -235,6 +238,6 @@ def fused_on_cpu(monkeypatch):
     """The fused path on CPU (kernels swapped for their references) with a fresh fallback log, for one test. Test
     modules that run every test this way import it and mark it autouse: `pytestmark = usefixtures(...)`."""
     emulate_fused_on_cpu(monkeypatch)
-    modeling._announced.clear()
+    plan_mod._announced.clear()
     yield
-    modeling._announced.clear()
+    plan_mod._announced.clear()

@@ -11,21 +11,21 @@ from scripts.common import tiny_text_kwargs
 
 def test_defaults_and_stock_model_types():
     text = configuration.Qwen3_5FusedTextConfig(**tiny_text_kwargs())
-    assert text.fused_kernels is False and text.cuda_graphs is True
+    assert text.fused_kernels is None and text.cuda_graphs is True  # None: unset (off unless the environment says 1)
     assert text.model_type == "qwen3_5_text"
     comp = configuration.Qwen3_5FusedConfig(**composite_kwargs())
-    assert comp.model_type == "qwen3_5" and comp.fused_kernels is False
+    assert comp.model_type == "qwen3_5" and comp.fused_kernels is None
     assert isinstance(comp.text_config, configuration.Qwen3_5FusedTextConfig)
     d = comp.to_dict()
     assert d["model_type"] == "qwen3_5" and d["text_config"]["model_type"] == "qwen3_5_text"
 
 
-@pytest.mark.parametrize("bad", ["yes", "true", 1, 0, None, 1.0, [True]], ids=repr)
+@pytest.mark.parametrize("bad", ["yes", "true", 1, 0, 1.0, [True]], ids=repr)
 @pytest.mark.parametrize("name", ["fused_kernels", "cuda_graphs"])
 def test_invalid_switch_values_name_the_value(name, bad):
     with pytest.raises(ValueError) as err:
         configuration.Qwen3_5FusedTextConfig(**tiny_text_kwargs(), **{name: bad})
-    assert name in str(err.value) and repr(bad) in str(err.value) and "True or False" in str(err.value)
+    assert name in str(err.value) and repr(bad) in str(err.value) and "True, False or None" in str(err.value)
     with pytest.raises(ValueError, match=name):
         configuration.Qwen3_5FusedConfig(**composite_kwargs(), **{name: bad})
 
@@ -37,19 +37,53 @@ def test_invalid_value_set_after_init_is_caught_at_model_build():
         modeling.Qwen3_5FusedForCausalLM(config)
 
 
-@pytest.mark.parametrize("raw,expected", [("0", False), ("1", True), ("false", False), ("ON", True), ("", None)])
-def test_environment_override(monkeypatch, raw, expected):
+# The one precedence rule: an explicit False (config, caller or environment) wins; then an explicit True from either;
+# then the default (fused_kernels off, cuda_graphs on). Rows: (config value, environment value, effective).
+PRECEDENCE = [
+    (None, "", False), (None, "1", True), (None, "0", False),
+    (True, "", True), (True, "1", True), (True, "0", False),
+    (False, "", False), (False, "1", False), (False, "0", False),
+]
+
+
+@pytest.mark.parametrize("config_value,raw,want", PRECEDENCE, ids=lambda v: repr(v))
+def test_switch_precedence_fused_kernels(monkeypatch, config_value, raw, want):
     monkeypatch.setenv("QWEN3_5_FUSED_KERNELS", raw)
+    model = modeling.Qwen3_5FusedForCausalLM(configuration.Qwen3_5FusedTextConfig(
+        **tiny_text_kwargs(), fused_kernels=config_value))
+    assert model.fused_plan.fused_kernels is want
+    assert model.describe()["fused_kernels"] is want
+
+
+@pytest.mark.parametrize("config_value,raw,want", [
+    (True, "", True), (True, "0", False), (False, "1", False), (False, "", False), (True, "yes", True),
+], ids=repr)
+def test_switch_precedence_cuda_graphs(monkeypatch, config_value, raw, want):
+    monkeypatch.setenv("QWEN3_5_CUDA_GRAPHS", raw)
+    model = modeling.Qwen3_5FusedForCausalLM(fused_text_config(cuda_graphs=config_value))
+    assert model.fused_plan.cuda_graphs is want
+
+
+def test_explicit_false_from_the_caller_beats_the_environment(monkeypatch, tmp_path):
     _, fused = stock_and_fused_lm(fused_kernels=True)
-    want = True if expected is None else expected
-    assert fused.model.layers[0].mlp._fused_enabled is want
-    assert fused.describe()["fused_kernels"] is want
+    fused.save_pretrained(tmp_path)
+    monkeypatch.setenv("QWEN3_5_FUSED_KERNELS", "1")
+    off = modeling.Qwen3_5FusedForCausalLM.from_pretrained(tmp_path, fused_kernels=False)
+    assert off.fused_plan.fused_kernels is False
+    on = modeling.Qwen3_5FusedForCausalLM.from_pretrained(tmp_path)
+    assert on.fused_plan.fused_kernels is True
+    assert on.set_fused_kernels(False).fused_plan.fused_kernels is False
 
 
-def test_environment_override_rejects_garbage(monkeypatch):
-    monkeypatch.setenv("QWEN3_5_FUSED_KERNELS", "maybe")
-    with pytest.raises(ValueError, match="QWEN3_5_FUSED_KERNELS='maybe'"):
+@pytest.mark.parametrize("var", ["QWEN3_5_FUSED_KERNELS", "QWEN3_5_CUDA_GRAPHS"])
+def test_environment_values_are_validated_at_load(monkeypatch, tmp_path, var):
+    _, fused = stock_and_fused_lm(fused_kernels=True)
+    fused.save_pretrained(tmp_path)
+    monkeypatch.setenv(var, "maybe")
+    with pytest.raises(ValueError, match=f"{var}='maybe'.*1 or 0"):
         stock_and_fused_lm()
+    with pytest.raises(ValueError, match=f"{var}='maybe'"):
+        modeling.Qwen3_5FusedForCausalLM.from_pretrained(tmp_path)
 
 
 def test_from_pretrained_kwarg_override(tmp_path):
@@ -57,7 +91,7 @@ def test_from_pretrained_kwarg_override(tmp_path):
     fused.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["fused_kernels"] is True  # the file is not edited
     off = modeling.Qwen3_5FusedForCausalLM.from_pretrained(tmp_path, fused_kernels=False)
-    assert off.config.fused_kernels is False and not off.model.layers[0].mlp._fused_enabled
+    assert off.config.fused_kernels is False and not off.fused_plan.fused_kernels
     assert json.loads((tmp_path / "config.json").read_text())["fused_kernels"] is True
     with pytest.raises(ValueError, match="fused_kernels"):
         modeling.Qwen3_5FusedForCausalLM.from_pretrained(tmp_path, fused_kernels="no")
@@ -67,10 +101,10 @@ def test_composite_switch_reaches_text_backbone():
     config = configuration.Qwen3_5FusedConfig(**composite_kwargs(), fused_kernels=True)
     config.text_config.fused_kernels = False  # the composite switch is the one that counts
     model = modeling.Qwen3_5FusedForConditionalGeneration(config)
-    assert model.model.language_model.layers[0].mlp._fused_enabled is True
+    assert model.model.language_model.layers[0].mlp.plan.fused_kernels is True
     model.set_fused_kernels(False)
     assert model.config.text_config.fused_kernels is False
-    assert model.model.language_model.layers[0].mlp._fused_enabled is False
+    assert model.model.language_model.layers[0].mlp.plan.fused_kernels is False
 
 
 def test_other_model_type_is_refused(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import helpers
+from helpers import compat, decode, generate_mod, graphs, runner_mod  # the repo modules these tests reach into
 from helpers import cache_of, composite_kwargs, fused_ops, generate_stock, modeling, rel_err, stock_and_fused_lm
 from helpers import fused_on_cpu  # noqa: F401 - the fixture, used by every test below
 
@@ -65,7 +66,7 @@ def test_greedy_matches_stock(batch, length, new):
     if length == 1:
         mask = None
     a, b = _both(stock, fused, ids, mask, max_new_tokens=new, do_sample=False)
-    assert isinstance(cache_of(b), modeling.FusedDecodeCache)
+    assert isinstance(cache_of(b), decode.FusedDecodeCache)
     assert cache_of(b).get_seq_length() == length + new - 1
     _assert_same(a, b)
     assert fused.describe()["decode"]["path"] == "fused"
@@ -76,7 +77,7 @@ def test_sampling_matches_stock():
     ids, mask = _prompts(3, 9)
     a, b = _both(stock, fused, ids, mask, seed=7, max_new_tokens=16, do_sample=True, temperature=0.7, top_k=20,
                  top_p=0.9)
-    assert isinstance(cache_of(b), modeling.FusedDecodeCache)
+    assert isinstance(cache_of(b), decode.FusedDecodeCache)
     _assert_same(a, b)
 
 
@@ -97,7 +98,7 @@ def test_repeated_calls_reuse_buckets_and_stay_correct():
         a, b = _both(stock, fused, ids, mask, max_new_tokens=new, do_sample=False)
         _assert_same(a, b)
     buckets = fused.describe()["decode"]["buckets"]
-    assert len(buckets) == modeling._MAX_DECODE_STATES  # least recently used beyond the limit were freed
+    assert len(buckets) == runner_mod.MAX_DECODE_STATES  # least recently used beyond the limit were freed
     assert {(b["batch"], b["max_len"]) for b in buckets} == {(4, 256), (2, 256)}
 
 
@@ -129,8 +130,8 @@ def test_forward_continues_a_returned_cache_like_stock(positions):
         full_mask = torch.cat([full_mask, torch.ones(2, 1, dtype=mask.dtype)], dim=-1)
         with torch.no_grad():
             want = helpers.run_stock(stock, input_ids=tok, attention_mask=full_mask,
-                                     **{modeling._GENERATE_CACHE_KW: caches["stock"]}, **kw).logits
-            got = fused(input_ids=tok, attention_mask=full_mask, **{modeling._GENERATE_CACHE_KW: caches["fused"]},
+                                     **{compat.GENERATE_CACHE_KW: caches["stock"]}, **kw).logits
+            got = fused(input_ids=tok, attention_mask=full_mask, **{compat.GENERATE_CACHE_KW: caches["fused"]},
                         **kw).logits
         assert rel_err(got, want) <= SCORE_BOUND, step
         nxt = want[:, -1].argmax(-1, keepdim=True)
@@ -143,7 +144,7 @@ def test_stale_cache_refuses_to_run():
     _both(stock, fused, ids, mask, max_new_tokens=3, do_sample=False)  # same bucket: takes the buffers over
     with pytest.raises(RuntimeError, match="earlier generate"):
         with torch.no_grad():
-            fused(input_ids=ids[:, :1], **{modeling._GENERATE_CACHE_KW: cache_of(first)})
+            fused(input_ids=ids[:, :1], **{compat.GENERATE_CACHE_KW: cache_of(first)})
 
 
 def test_continuing_with_several_tokens_is_refused():
@@ -153,7 +154,7 @@ def test_continuing_with_several_tokens_is_refused():
         out = fused.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
                              return_dict_in_generate=True)
         with pytest.raises(NotImplementedError, match="one token at a time"):
-            fused(input_ids=ids[:, :3], **{modeling._GENERATE_CACHE_KW: cache_of(out)})
+            fused(input_ids=ids[:, :3], **{compat.GENERATE_CACHE_KW: cache_of(out)})
 
 
 @pytest.mark.parametrize("case", ["beam", "cache_passed", "static", "hidden_states"])
@@ -177,11 +178,11 @@ def test_fallbacks_are_announced_and_correct(case, caplog):
                 a = generate_stock(stock, ids, attention_mask=mask, pad_token_id=0, return_dict_in_generate=True,
                                    output_scores=True, **kw)
                 b = fused.generate(ids, attention_mask=mask, pad_token_id=0, return_dict_in_generate=True,
-                                   output_scores=True, **{modeling._GENERATE_CACHE_KW: DynamicCache(config=fused.config)},
+                                   output_scores=True, **{compat.GENERATE_CACHE_KW: DynamicCache(config=fused.config)},
                                    **kw)
         else:
             a, b = _both(stock, fused, ids, mask, **kw)
-    assert not isinstance(cache_of(b), modeling.FusedDecodeCache)
+    assert not isinstance(cache_of(b), decode.FusedDecodeCache)
     messages = [r.getMessage() for r in caplog.records if "decodes with the stock" in r.getMessage()]
     assert len(messages) == 1 and expect in messages[0], messages
     assert torch.equal(a.sequences, b.sequences)
@@ -197,7 +198,7 @@ def test_composite_model_generates_fused():
     stock.load_state_dict(fused.state_dict())
     ids, mask = _prompts(2, 8)
     a, b = _both(stock, fused, ids, mask, max_new_tokens=10, do_sample=False)
-    assert isinstance(cache_of(b), modeling.FusedDecodeCache)
+    assert isinstance(cache_of(b), decode.FusedDecodeCache)
     _assert_same(a, b)
 
 
@@ -212,7 +213,7 @@ def test_moving_the_model_frees_decode_buffers():
     assert fused.describe()["decode"]["buckets"] == []
     with pytest.raises(RuntimeError, match="earlier generate"):
         with torch.no_grad():
-            fused(input_ids=ids[:, :1], **{modeling._GENERATE_CACHE_KW: cache_of(out)})
+            fused(input_ids=ids[:, :1], **{compat.GENERATE_CACHE_KW: cache_of(out)})
     fused.set_fused_kernels(False)
     assert fused.describe()["decode"]["path"] == "stock"
 
@@ -243,7 +244,7 @@ def test_trained_model_pipeline_streamer_and_chat_template():
     assert fused.describe()["decode"]["path"] == "fused"
     prompt = "def read_file(path):\n    with open(path"
     gen = dict(max_new_tokens=24, do_sample=False)
-    with modeling._torch_reference_kernels():
+    with compat.torch_reference_kernels():
         want = pipeline("text-generation", model=stock, tokenizer=tok)(prompt, **gen)[0]["generated_text"]
     got = pipeline("text-generation", model=fused, tokenizer=tok)(prompt, **gen)[0]["generated_text"]
     assert got == want and len(got) > len(prompt)
@@ -267,7 +268,7 @@ def test_generate_runs_the_fused_loop_once_prefilled(monkeypatch):
     """generate() takes the fused loop: the model's forward runs once (the prefill), every token after is a step."""
     stock, fused = stock_and_fused_lm(seed=0)
     calls = {"run": 0, "loop": 0}
-    run, loop = modeling.FusedDecodeCache.run, modeling._fused_sample
+    run, loop = decode.FusedDecodeCache.run, generate_mod.fused_sample
 
     def counting_run(self, *a, **k):
         calls["run"] += 1
@@ -277,7 +278,7 @@ def test_generate_runs_the_fused_loop_once_prefilled(monkeypatch):
         calls["loop"] += 1
         return loop(*a, **k)
 
-    monkeypatch.setattr(modeling.FusedDecodeCache, "run", counting_run)
+    monkeypatch.setattr(decode.FusedDecodeCache, "run", counting_run)
     monkeypatch.setattr(modeling, "_fused_sample", counting_loop)
     ids, mask = _prompts(2, 6)
     a, b = _both(stock, fused, ids, mask, max_new_tokens=9, do_sample=False)
@@ -322,10 +323,10 @@ def test_stop_rows_is_stocks_list_without_the_max_length_criterion(caplog):
     ids = torch.tensor([[5, 7, 2], [5, 7, 3], [5, 7, 4]])
     full = StoppingCriteriaList([MaxLengthCriteria(3), EosTokenCriteria(4), Odd()])
     assert full(ids, None).tolist() == [True] * 3  # stock: the max length stops every row
-    assert modeling._stop_rows(full, ids, None).tolist() == [False, True, True]
-    assert modeling._stop_rows(StoppingCriteriaList([MaxLengthCriteria(9)]), ids, None) is None
+    assert generate_mod.stop_rows(full, ids, None).tolist() == [False, True, True]
+    assert generate_mod.stop_rows(StoppingCriteriaList([MaxLengthCriteria(9)]), ids, None) is None
     with caplog.at_level(logging.WARNING):
-        modeling._stop_rows([MaxLengthCriteria(9, max_position_embeddings=2)], ids, None)
+        generate_mod.stop_rows([MaxLengthCriteria(9, max_position_embeddings=2)], ids, None)
     assert "maximum length" in caplog.text
 
 
@@ -334,7 +335,7 @@ def test_stop_flags_are_read_one_batch_late():
     and every pending batch when generate reaches its last step; the step returned is the first after which every
     row had stopped."""
     def run(lag, final_at=None, true_from=6, every=4):
-        stops = modeling._StopFlags(every, lag)
+        stops = generate_mod.StopFlags(every, lag)
         for step in range(1, 40):  # two rows: the first stops at step `true_from`, the second one step earlier
             got = stops.add(torch.tensor([step < true_from, step < true_from - 1]), step, final=step == final_at)
             if got is not None or step == final_at:
@@ -348,7 +349,7 @@ def test_stop_flags_are_read_one_batch_late():
     assert run(lag=1, true_from=1, every=1) == (2, 1)
 
 
-@pytest.mark.parametrize("stop_after", [1, 5, modeling._STOP_CHECK_EVERY + 3, 2 * modeling._STOP_CHECK_EVERY + 1])
+@pytest.mark.parametrize("stop_after", [1, 5, generate_mod.STOP_CHECK_EVERY + 3, 2 * generate_mod.STOP_CHECK_EVERY + 1])
 def test_all_rows_stopping_early_cuts_the_extra_steps(stop_after):
     """A criterion that stops every row after `stop_after` tokens: the batched stop check ran a few steps further,
     and those are cut so sequences and scores equal stock's; the cache refuses to be continued."""
@@ -368,7 +369,7 @@ def test_all_rows_stopping_early_cuts_the_extra_steps(stop_after):
     if cache._overrun:
         with pytest.raises(RuntimeError, match="past the end"):
             with torch.no_grad():
-                fused(input_ids=ids[:, :1], **{modeling._GENERATE_CACHE_KW: cache})
+                fused(input_ids=ids[:, :1], **{compat.GENERATE_CACHE_KW: cache})
 
 
 def test_step_across_devices_matches_stock(monkeypatch):
@@ -376,18 +377,18 @@ def test_step_across_devices_matches_stock(monkeypatch):
     work on its own device, the stream moved between them. CPU has one device: odd layers are labelled ``cpu:1``
     (``.to("cpu:1")`` lands on ``cpu``), which runs every move in the step as a no-op copy. The real split runs on
     two GPUs in ``test_multi_gpu_cuda.py``."""
-    allocate = modeling._DecodeState._allocate
+    allocate = decode.DecodeState._allocate
 
     def split_allocate(self, text_model, batch, max_len):
         allocate(self, text_model, batch, max_len)
         self.layer_devices = [torch.device("cpu", i % 2) for i in range(len(self.layer_devices))]
         self.multi_device = True
 
-    monkeypatch.setattr(modeling._DecodeState, "_allocate", split_allocate)
+    monkeypatch.setattr(decode.DecodeState, "_allocate", split_allocate)
     stock, fused = stock_and_fused_lm(seed=0)
     ids, mask = _prompts(2, 6)
     a, b = _both(stock, fused, ids, mask, max_new_tokens=5, do_sample=False)
-    assert isinstance(cache_of(b), modeling.FusedDecodeCache) and cache_of(b)._state.multi_device
+    assert isinstance(cache_of(b), decode.FusedDecodeCache) and cache_of(b)._state.multi_device
     _assert_same(a, b)
 
 
@@ -401,7 +402,7 @@ def test_padded_prefill_matches_stock(seq_len, batch, pad_rows):
         a, b = _both(stock, fused, ids, mask, max_new_tokens=6, do_sample=False)
         _assert_same(a, b)
     cache = cache_of(b)
-    length = modeling._forward_len_bucket(seq_len)
+    length = graphs.forward_len_bucket(seq_len)
     assert length in cache._state.prefill_graphs and cache._pad == length - seq_len > 0
 
 
@@ -421,7 +422,7 @@ def test_prefill_graph_load_places_the_prompt_at_the_tail():
     """The padded buffers: pads in front (mask 0), the prompt at the tail with its own positions (stock's 0..T-1 when
     none are given)."""
     _, fused = stock_and_fused_lm(seed=0)
-    graph = modeling._PrefillGraph(2, fused.model.embed_tokens.weight.device, 64)
+    graph = graphs.PrefillGraph(2, fused.model.embed_tokens.weight.device, 64)
     ids = torch.randint(3, 200, (2, 5))
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
     for positions in (None, torch.arange(10, 15).expand(2, 5)):
@@ -462,7 +463,7 @@ def test_lm_head_of_a_step_goes_through_small_linear_unless_wrapped(monkeypatch)
         vocab_shape = tuple(fused.lm_head.weight.shape)
         assert (vocab_shape in seen) is not with_bias, (with_bias, seen)
         # the plain head runs inside the step (and its CUDA graph); the biased one after it
-        assert (modeling._graph_head(fused, cache_of(b)._state) is fused.lm_head) is not with_bias
+        assert (generate_mod.graph_head(fused, cache_of(b)._state) is fused.lm_head) is not with_bias
 
 
 ROPES = {
@@ -513,7 +514,7 @@ def test_step_rope_equals_stock_rotary(rope, sections, head_dim, factor, dtype, 
     kernel = fused_ops.mrope_step_ref if device == "cpu" else fused_ops.mrope_step
     monkeypatch.setattr(modeling, "mrope_step", kernel)  # this file's fixture swaps in the reference everywhere
     rot = _rotary(ROPES[rope], sections, head_dim, factor).to(device)
-    plan = modeling._rope_plan(rot, device)
+    plan = decode.rope_plan(rot, device)
     assert plan is not None
     gen = torch.Generator().manual_seed(batch)
     positions = torch.randint(0, 200_000, (3, batch, 1), generator=gen).to(device)
@@ -521,7 +522,7 @@ def test_step_rope_equals_stock_rotary(rope, sections, head_dim, factor, dtype, 
     h = torch.zeros(batch, 1, 64, dtype=dtype, device=device)
     want_cos, want_sin = rot(h, before)
     state = _Positions(plan, positions)
-    cos, sin = modeling._DecodeState._step_rope(state, rot, h)
+    cos, sin = decode.DecodeState._step_rope(state, rot, h)
     assert cos.shape == want_cos.shape and cos.dtype == dtype and cos.is_contiguous()
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert torch.equal(positions, before + 1)
@@ -532,20 +533,20 @@ def test_step_rope_calls_a_rotary_on_another_device_as_it_is():
     """A rotary module on another device than the step's buffers (a model split over devices) gets no plan: the step
     calls the module, through the hook that moves its inputs."""
     rot = _rotary(ROPES["default"], [2, 1, 1], 32, 0.5)
-    assert modeling._rope_plan(rot, "meta") is None
-    assert modeling._rope_plan(rot, torch.device("cpu")) is not None
+    assert decode.rope_plan(rot, "meta") is None
+    assert decode.rope_plan(rot, torch.device("cpu")) is not None
 
 
 def test_step_rope_calls_a_dynamic_rotary_as_it_is():
     """A rotary type that updates its frequencies per call (dynamic) gets no plan: the step calls the module."""
     rot = _rotary({"rope_type": "dynamic", "factor": 2.0}, [2, 1, 1], 32, 0.5)
-    assert modeling._rope_plan(rot, "cpu") is None
+    assert decode.rope_plan(rot, "cpu") is None
     positions = torch.randint(0, 5000, (3, 2, 1))
     before = positions.clone()
     h = torch.zeros(2, 1, 64)
     want_cos, want_sin = rot(h, before)
     state = _Positions(None, positions)
-    cos, sin = modeling._DecodeState._step_rope(state, rot, h)
+    cos, sin = decode.DecodeState._step_rope(state, rot, h)
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert torch.equal(positions, before + 1)
     state.check_marked()

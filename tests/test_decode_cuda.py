@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import decode, graphs  # the repo modules these tests reach into
 from helpers import cache_of, fused_ops, ieee_stock, modeling, padded_batch, rel_err, stock_and_fused_lm
 
 pytestmark = pytest.mark.cuda
@@ -67,7 +68,7 @@ def test_random_fp32_128_tokens_identical(batch, padding, graphs):
     ids, mask = padded_batch(batch, 21, padding)
     a = _generate(stock, ids, mask, max_new_tokens=128)
     b = _generate(fused, ids, mask, max_new_tokens=128)
-    assert isinstance(cache_of(b), modeling.FusedDecodeCache)
+    assert isinstance(cache_of(b), decode.FusedDecodeCache)
     assert torch.equal(a.sequences, b.sequences)
     _check_steps(a, b, BOUND[torch.float32])
     buckets = fused.describe()["decode"]["buckets"]
@@ -177,7 +178,7 @@ def test_captured_prefill_matches_stock(dtype, batch, padding, length):
             _check_steps(a, b, BOUND[dtype], upto=1)  # the prefill's logits; bf16 tokens may part later
     cache = cache_of(b)
     (graph,) = cache._state.prefill_graphs.values()
-    assert graph.graph and cache._pad == modeling._forward_len_bucket(length) - length
+    assert graph.graph and cache._pad == graphs.forward_len_bucket(length) - length
 
 
 def _syncing_forward():
@@ -195,7 +196,7 @@ def test_failed_capture_leaves_random_ops_usable(caplog):
     want = torch.rand(5, device="cuda")
     torch.cuda.manual_seed(7)
     with caplog.at_level("WARNING"):
-        assert modeling._capture_graph(text_model, _syncing_forward, torch.cuda.graph_pool_handle(), "test") is None
+        assert graphs.capture_graph(text_model, _syncing_forward, torch.cuda.graph_pool_handle(), "test") is None
     said = [r.getMessage() for r in caplog.records if "capture of the test failed" in r.getMessage()]
     assert said
     # the host sync's own error is named, not capture_end's "operation failed due to a previous error" over it

@@ -7,6 +7,7 @@ Each bucket runs eagerly on its first call and is captured on its second; the ch
 import pytest
 import torch
 
+from helpers import compat, graphs  # the repo modules these tests reach into
 from helpers import cache_of, ieee_stock, modeling, new_weights, rel_err, stock_and_fused_lm
 
 pytestmark = pytest.mark.cuda
@@ -29,7 +30,7 @@ def _captured(model, ids, calls=3):
 
 def _entry(model, batch, seq_len):
     for key, entry in model.model._forward_graphs.items():  # (path, batch, length, dtype, device)
-        if key[0] == ("right", False) and key[1:3] == (batch, modeling._forward_len_bucket(seq_len)):
+        if key[0] == ("right", False) and key[1:3] == (batch, graphs.forward_len_bucket(seq_len)):
             return entry
     raise AssertionError("no forward graph for this bucket")
 
@@ -122,8 +123,8 @@ def test_masked_replay_matches_stock(dtype, seq_len, kind):
         if "no-cache" not in kind:
             step_mask = None if "attention_mask" not in kwargs else torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
             nxt = ids[:, -1:]
-            want = stock(input_ids=nxt, attention_mask=step_mask, **{modeling._GENERATE_CACHE_KW: cache_of(ref)}).logits
-            got = stock(input_ids=nxt, attention_mask=step_mask, **{modeling._GENERATE_CACHE_KW: cache_of(outs[-1])}).logits
+            want = stock(input_ids=nxt, attention_mask=step_mask, **{compat.GENERATE_CACHE_KW: cache_of(ref)}).logits
+            got = stock(input_ids=nxt, attention_mask=step_mask, **{compat.GENERATE_CACHE_KW: cache_of(outs[-1])}).logits
             assert rel_err(got.float(), want.float()) <= BOUND[dtype]
     for out in outs[1:]:
         assert torch.isfinite(out.logits[valid]).all()

@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 
+from helpers import decode, plan_mod  # the repo modules these tests reach into
 from helpers import ieee_stock, modeling, rel_err, stock_and_fused_lm
 
 pytestmark = [
@@ -67,7 +68,7 @@ def test_forward_matches_stock(models, use_cache):
 def test_scoring_forward_is_not_captured_across_devices(models, caplog):
     stock, split, _ = models
     ids = torch.randint(3, 250, (2, 70), device="cuda:0")
-    modeling._announced.clear()
+    plan_mod._announced.clear()
     with torch.inference_mode(), caplog.at_level(logging.WARNING):
         ref = stock(input_ids=ids, use_cache=False).logits
         outs = [split(input_ids=ids, use_cache=False).logits for _ in range(3)]  # a bucket captures on call 2
@@ -82,7 +83,7 @@ def test_greedy_tokens_equal_single_gpu_and_stock(models, caplog):
     ids = torch.randint(3, 250, (2, 17), device="cuda:0")
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
-    modeling._announced.clear()
+    plan_mod._announced.clear()
     kw = dict(attention_mask=mask, max_new_tokens=48, min_new_tokens=48, do_sample=False, pad_token_id=0,
               return_dict_in_generate=True, output_scores=True)
     with torch.inference_mode(), caplog.at_level(logging.WARNING):
@@ -91,7 +92,7 @@ def test_greedy_tokens_equal_single_gpu_and_stock(models, caplog):
         two = split.generate(ids, **kw)
         again = split.generate(ids, **kw)
     cache = two.cache if hasattr(two, "cache") and two.cache is not None else two.past_key_values
-    assert isinstance(cache, modeling.FusedDecodeCache)
+    assert isinstance(cache, decode.FusedDecodeCache)
     state = cache._state
     assert state.multi_device
     assert {str(t.device) for t in state.conv.values()} == {"cuda:0", "cuda:1"}

@@ -1,0 +1,327 @@
+"""The fused layer modules: packed projections, and subclasses of the stock Qwen3.5 layers built as what they are.
+
+Each module subclasses its stock class and keeps every parameter, name and shape (the state dict is stock's), so a
+checkpoint written from it loads in stock transformers / vLLM / SGLang. Each reads the model's :class:`FusedPlan`
+and takes the fused path when the plan says so; otherwise it runs the stock ``forward`` unchanged.
+
+Packing. Each group of projections is packed into one ``[sum(out), in]`` row-major matrix, and each original
+``nn.Linear.weight`` becomes a contiguous row slice (a view) of it, so parameter memory does not grow:
+
+- Gated DeltaNet: ``in_proj_qkv | in_proj_z | in_proj_b | in_proj_a``,
+- attention: ``q_proj`` (query with its gate) ``| k_proj | v_proj``,
+- MLP: ``gate_proj | up_proj``.
+
+Both GEMM operands are then K-major (``x`` is ``[M, in]``, the weight ``[N, in]``), the layout cuBLAS and Hopper's
+wgmma read without a transpose. Groups are packed when the plan first runs fused, and packed again after a move, a
+cast, a load or a parameter replaced by hand (checked by pointer before each fused call).
+"""
+
+import contextlib
+import contextvars
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    Qwen3_5Attention,
+    Qwen3_5DecoderLayer,
+    Qwen3_5GatedDeltaNet,
+    Qwen3_5MLP,
+    Qwen3_5RMSNorm,
+)
+
+from .fused_compat import (
+    ALL_ATTENTION_FUNCTIONS,
+    ATTENTION_CACHE_KW,
+    DELTANET_CACHE_KW,
+    cache_update_kwargs,
+    eager_attention_forward,
+    pop_cache,
+    stock,
+    stock_call,
+)
+from .fused_plan import FusedPlan
+
+# What each fused kind runs, as describe() reports it.
+FUSED_OPS = {
+    "linear_attention": "1 GEMM (qkv|z|b|a) + deltanet_prep (conv, SiLU, q/k L2 norm, beta) + fla's gated delta rule "
+    "(gate in kernel; its chunked kernel, or for fp32 at torch's default 'highest' matmul precision its IEEE "
+    "per-token kernel) + gated RMSNorm",
+    "full_attention": "1 GEMM (q+gate|k|v) + attn_prep (split, q/k RMSNorm, partial mRoPE) + attention + sigmoid gate",
+    "mlp": "1 GEMM (gate|up) + SwiGLU",
+    "rms_norm": "zero-centred RMSNorm kernel",
+    "decoder_layer": "residual add fused into the post-attention RMSNorm, and into the down projection's GEMM",
+}
+
+# The cache the fused prefill of `generate` (and of a graphed forward that returns a cache) writes the prompt's state
+# into: set for the duration of that forward by `prefill_into`, read by the decoder layers. A context variable (as
+# transformers' own output capturing uses), so concurrent threads each see their own.
+_PREFILL_TARGET: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_fused_prefill_target", default=None)
+
+
+@contextlib.contextmanager
+def prefill_into(cache):
+    """Run the stock text-model forward (which is told ``use_cache=False``, so its masks are those of an empty cache)
+    with every fused decoder layer writing its state into ``cache``."""
+    token = _PREFILL_TARGET.set(cache)
+    try:
+        yield
+    finally:
+        _PREFILL_TARGET.reset(token)
+
+
+def pack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Pack the weights (and biases) of ``linears`` into one ``[sum(out), in]`` matrix; each Linear keeps a view.
+
+    Returns ``(weight, bias)`` (``bias`` None when the Linears have none), or None while the weights are on the meta
+    device (not materialised yet: loading packs afterwards)."""
+    weights = [lin.weight for lin in linears]
+    if any(w.device.type == "meta" for w in weights):
+        return None
+    has_bias = linears[0].bias is not None
+    fused_w = torch.cat([w.detach() for w in weights], dim=0)
+    fused_b = torch.cat([lin.bias.detach() for lin in linears], dim=0) if has_bias else None
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused_w[start : start + rows], requires_grad=lin.weight.requires_grad)
+        if has_bias:
+            lin.bias = nn.Parameter(fused_b[start : start + rows], requires_grad=lin.bias.requires_grad)
+        start += rows
+    return fused_w, fused_b
+
+
+def _is_packed(linears: list[nn.Linear], packed) -> bool:
+    """Whether the Linears' parameters are still the row views of ``packed`` (two pointer reads per Linear)."""
+    if packed is None:
+        return False
+    fused_w, fused_b = packed
+    start = 0
+    for lin in linears:
+        w = lin.weight
+        if w.dtype != fused_w.dtype or w.data_ptr() != fused_w[start].data_ptr():
+            return False
+        if fused_b is not None and lin.bias.data_ptr() != fused_b[start].data_ptr():
+            return False
+        start += w.shape[0]
+    return start == fused_w.shape[0]
+
+
+class _FusedModule:
+    """Mixin of every fused module: the plan it reads, and its packed projection group (if it has one)."""
+
+    _fused_kind = "module"
+    _fused_group: tuple[str, ...] = ()
+
+    def _init_fused(self, plan: FusedPlan) -> None:
+        self.plan = plan
+        self._packed = None
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .half() / .cuda() give every parameter a new storage: drop the old matrix (it would keep the old
+        # copy alive) and pack the new parameters again, so the views, and the memory, are as before
+        was_packed, self._packed = self._packed is not None, None
+        out = super()._apply(fn, recurse)
+        if was_packed:
+            self.packed_weight()
+        return out
+
+    def packed_weight(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The packed matrix (and bias) of this module's projection group, packed (again) when its parameters are
+        not the views of the current one (first use, a move, a load, ``load_state_dict(..., assign=True)``, a
+        parameter set by hand), so the fused GEMM never reads a stale copy."""
+        linears = [getattr(self, name) for name in self._fused_group]
+        if not _is_packed(linears, self._packed):
+            self._packed = pack_linears(linears)
+        return self._packed
+
+
+class FusedRMSNorm(_FusedModule, Qwen3_5RMSNorm):
+    """Zero-centred RMSNorm ``y = x / rms(x) * (1 + w)`` as one Triton kernel."""
+
+    _fused_kind = "rms_norm"
+
+    def __init__(self, dim: int, eps: float, plan: FusedPlan):
+        super().__init__(dim, eps=eps)
+        self._init_fused(plan)
+
+    def forward(self, x):
+        if self.plan.runs(self._fused_kind):
+            return self.plan.ops.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+class FusedMLP(_FusedModule, Qwen3_5MLP):
+    """SwiGLU MLP: one GEMM for ``gate_proj | up_proj``, a fused ``silu(g) * u``, then ``down_proj``."""
+
+    _fused_kind = "mlp"
+    _fused_group = ("gate_proj", "up_proj")
+
+    def __init__(self, config, intermediate_size: int, plan: FusedPlan):
+        super().__init__(config, intermediate_size)
+        self._init_fused(plan)
+
+    def forward(self, x):
+        if self.plan.runs(self._fused_kind):
+            w, _ = self.packed_weight()
+            return self.down_proj(self.plan.ops.swiglu(F.linear(x, w)))
+        return super().forward(x)
+
+    def add_to(self, residual, x):
+        """``residual + self(x)``, with the add done by the down projection's GEMM epilogue (cuBLAS with beta=1),
+        which saves the separate add kernel. ``residual`` [..., N] is overwritten and returned: the decoder layer
+        passes the sum buffer its fused norm has just allocated. Other calls (stock path, hooks on the module) compute
+        the plain sum."""
+        hooked = self._forward_hooks or self._forward_pre_hooks or hasattr(self, "_hf_hook")
+        if hooked or self.down_proj.bias is not None or not self.plan.runs(self._fused_kind):
+            return residual + self(x)
+        w, _ = self.packed_weight()
+        act = self.plan.ops.swiglu(F.linear(x, w))
+        residual.view(-1, residual.shape[-1]).addmm_(act.view(-1, act.shape[-1]), self.down_proj.weight.t())
+        return residual
+
+
+class FusedAttention(_FusedModule, Qwen3_5Attention):
+    """Gated full attention: one GEMM for ``q_proj (q | gate) | k_proj | v_proj``, one launch for split + q/k RMSNorm
+    + partial mRoPE, the configured attention kernel (SDPA / flash / eager), and the sigmoid output gate in one pass.
+    ``q_norm`` / ``k_norm`` stay stock modules (``attn_prep`` applies their weights)."""
+
+    _fused_kind = "full_attention"
+    _fused_group = ("q_proj", "k_proj", "v_proj")
+
+    def __init__(self, config, layer_idx: int, plan: FusedPlan):
+        super().__init__(config, layer_idx)
+        self._init_fused(plan)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        if not self.plan.runs(self._fused_kind):
+            return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
+        ops = self.plan.ops
+        cache = pop_cache(kwargs)
+        batch, seq_len = hidden_states.shape[:2]
+        w, b = self.packed_weight()
+        qkv = F.linear(hidden_states, w, b)
+        cos, sin = position_embeddings
+        query, key, value, gate = ops.attn_prep(
+            qkv, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            self.config.num_attention_heads, self.config.num_key_value_heads, self.head_dim,
+        )
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, **cache_update_kwargs(kwargs))
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+        )
+        attn_output = ops.sigmoid_gate_mul(attn_output.view(batch, seq_len, -1, self.head_dim), gate)
+        return self.o_proj(attn_output), attn_weights
+
+
+class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
+    """Gated DeltaNet: one GEMM for ``in_proj_qkv | in_proj_z | in_proj_b | in_proj_a`` -> ``deltanet_prep`` (causal
+    conv + SiLU, q/k L2 norm, beta sigmoid, one launch) -> fla's gated delta rule (``gated_delta_rule_prefill``: gate
+    from ``A_log`` / ``dt_bias`` and grouped value heads inside the kernel; chunked, or per-token for IEEE fp32) ->
+    ``gated_rms_norm`` (z read in place) -> ``out_proj``.
+
+    Covers forwards without a cache and the prefill that fills an empty cache. A call that continues from a stock
+    cache's state (decode outside the fused generate path, chunked prefill) runs the stock code; decode on a fused
+    decode cache runs the decode step (``fused_decode``) instead of this forward.
+    """
+
+    _fused_kind = "linear_attention"
+    _fused_group = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def __init__(self, config, layer_idx: int, plan: FusedPlan):
+        super().__init__(config, layer_idx)
+        self._init_fused(plan)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.plan.runs(self._fused_kind):
+            cache = kwargs.get(DELTANET_CACHE_KW, args[0] if args else None)
+            if cache is None or not cache.has_previous_state(self.layer_idx):
+                attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+                return self._fused_forward(hidden_states, cache, attention_mask)
+            self.plan.fallback(self._fused_kind, "a call continues from a stock cache's state (not fused yet)")
+        return stock_call(super().forward, hidden_states, *args, **kwargs)
+
+    def _fused_forward(self, hidden_states, cache, attention_mask):
+        ops = self.plan.ops
+        hidden_states = stock.apply_mask_to_padding_states(hidden_states, attention_mask)
+        w, _ = self.packed_weight()
+        proj = F.linear(hidden_states, w)  # [B, T, conv_dim + value_dim + 2 * HV]
+        mixed_qkv, z, b, a = torch.split(
+            proj, [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
+        )
+        if cache is not None:
+            cache.update_conv_state(mixed_qkv.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+        # One launch: conv + SiLU of the q|k|v columns, the q / k L2 norm, sigmoid(b) and a copied out contiguous,
+        # so fla's delta rule neither normalises nor copies its inputs.
+        query, key, value, beta, g = ops.deltanet_prep(
+            mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, b, a,
+            self.num_k_heads, self.head_k_dim, self.head_v_dim,
+        )
+        core, last_state = ops.gated_delta_rule_prefill(
+            query, key, value, g, beta, self.A_log, self.dt_bias, output_final_state=cache is not None
+        )
+        if cache is not None:
+            cache.update_recurrent_state(last_state, self.layer_idx)
+        # the gate z is read where the GEMM wrote it (a column slice), not copied
+        core = ops.gated_rms_norm(core, z, self.norm.weight, self.norm.variance_epsilon)  # [B, T, value_dim]
+        return self.out_proj(core)
+
+
+class FusedDecoderLayer(_FusedModule, Qwen3_5DecoderLayer):
+    """Decoder layer built from the fused modules; its second norm also does the residual add (``h = x + r;
+    y = norm(h)`` in one kernel) and the MLP's down GEMM adds the residual in its epilogue.
+
+    ``__init__`` is stock's with the fused classes (no stock module is built and replaced)."""
+
+    _fused_kind = "decoder_layer"
+
+    def __init__(self, config, layer_idx: int, plan: FusedPlan):
+        super(Qwen3_5DecoderLayer, self).__init__()  # stock's bases (GradientCheckpointingLayer, nn.Module)
+        self.hidden_size = config.hidden_size
+        self.block_type = config.layer_types[layer_idx]
+        if self.block_type == "linear_attention":
+            self.linear_attn = FusedGatedDeltaNet(config, layer_idx, plan)
+        else:
+            self.self_attn = FusedAttention(config, layer_idx, plan)
+        self.mlp = FusedMLP(config, config.intermediate_size, plan)
+        self.input_layernorm = FusedRMSNorm(config.hidden_size, config.rms_norm_eps, plan)
+        self.post_attention_layernorm = FusedRMSNorm(config.hidden_size, config.rms_norm_eps, plan)
+        self._init_fused(plan)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, **kwargs):
+        if not self.plan.runs(self._fused_kind):
+            return super().forward(
+                hidden_states, position_embeddings, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+            )
+        cache = pop_cache(kwargs)
+        if cache is None:
+            cache = _PREFILL_TARGET.get()
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        if self.block_type == "linear_attention":
+            hidden_states = self.linear_attn(
+                hidden_states=hidden_states, attention_mask=attention_mask, **{DELTANET_CACHE_KW: cache}, **kwargs
+            )
+        else:
+            hidden_states, _ = self.self_attn(
+                hidden_states=hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                **{ATTENTION_CACHE_KW: cache},
+                **kwargs,
+            )
+        ln = self.post_attention_layernorm
+        hidden_states, residual = self.plan.ops.rms_norm(hidden_states, ln.weight, ln.eps, residual=residual)
+        return self.mlp.add_to(residual, hidden_states)  # residual is the norm's fresh sum buffer: ours to reuse
+
+
+def pack_all(text_model) -> None:
+    """Pack (or re-pack) every projection group now, outside any capture, so no packing allocates inside one."""
+    for module in text_model.modules():
+        if isinstance(module, _FusedModule) and module._fused_group:
+            module.packed_weight()

@@ -1,0 +1,201 @@
+"""The path a fused model runs, resolved once: :class:`FusedPlan`.
+
+One object per text backbone, shared by its fused modules, its runner and the public model. It is resolved when the
+model is built, loaded, moved, cast, put in train / eval mode or switched (``set_fused_kernels``), never per call:
+
+- ``reason``: None when the fused layers run, else why the whole model runs the stock code (switch off, no GPU, no
+  triton / fla, training mode);
+- per layer kind, the fused path or stock with its reason (an MLP activation other than SiLU, ...);
+- ``graphs``: whether forwards, prompts and decode steps are captured in CUDA graphs, and why not;
+- ``decode_reason``: None when ``generate`` can decode on the fused path (greedy and sampling), else why not;
+- ``pdl``: whether our kernels launch with programmatic dependent launch;
+- ``ops``: the kernel functions the fused modules call (the Triton kernels; in the tests' CPU emulation, their torch
+  references).
+
+The one per-call condition left is ``torch.is_grad_enabled()`` (a context, not a property of the model): a call that
+records gradients runs the stock code, said once.
+"""
+
+import types
+
+import torch
+from transformers.utils import logging
+
+from .configuration_qwen3_5_fused import resolve_switches
+from .fused_compat import GENERATE_HOOKS_REASON
+from .fused_ops import (
+    attn_prep,
+    attn_prep_ref,
+    decode_attention,
+    decode_attention_ref,
+    deltanet_prep,
+    deltanet_prep_ref,
+    gated_delta_rule_prefill,
+    gated_delta_rule_prefill_ref,
+    gated_delta_rule_step,
+    gated_delta_rule_step_ref,
+    gated_rms_norm,
+    gated_rms_norm_ref,
+    gemv_late_signal_min_elems,
+    kernels_available,
+    mrope_step,
+    mrope_step_ref,
+    pdl_enabled,
+    rms_norm,
+    rms_norm_ref,
+    sigmoid_gate_mul,
+    sigmoid_gate_mul_ref,
+    small_linear,
+    small_linear_ref,
+    swiglu,
+    swiglu_ref,
+)
+
+logger = logging.get_logger(__name__)
+
+# The tests set this to run the fused control flow (packed GEMMs, the fused prefill, the decode cache and step, the
+# generate loop, the forward graphs' padding) on CPU tensors with every kernel replaced by its torch reference.
+EMULATE_ON_CPU = False
+
+KERNELS = types.SimpleNamespace(
+    rms_norm=rms_norm, attn_prep=attn_prep, sigmoid_gate_mul=sigmoid_gate_mul, swiglu=swiglu,
+    small_linear=small_linear, gated_delta_rule_step=gated_delta_rule_step, deltanet_prep=deltanet_prep,
+    gated_rms_norm=gated_rms_norm, gated_delta_rule_prefill=gated_delta_rule_prefill,
+    decode_attention=decode_attention, mrope_step=mrope_step,
+)
+REFERENCES = types.SimpleNamespace(
+    rms_norm=rms_norm_ref, attn_prep=attn_prep_ref, sigmoid_gate_mul=sigmoid_gate_mul_ref, swiglu=swiglu_ref,
+    small_linear=small_linear_ref, gated_delta_rule_step=gated_delta_rule_step_ref,
+    deltanet_prep=deltanet_prep_ref, gated_rms_norm=gated_rms_norm_ref,
+    gated_delta_rule_prefill=gated_delta_rule_prefill_ref, decode_attention=decode_attention_ref,
+    mrope_step=mrope_step_ref,
+)
+
+SWIGLU_ACTS = ("silu", "swish")
+LAYER_KINDS = ("linear_attention", "full_attention", "mlp", "rms_norm", "decoder_layer")
+
+_announced: set[str] = set()
+
+
+def announce(key: str, message: str) -> None:
+    """Log ``message`` once per process for ``key``: every fallback is said once, never silently."""
+    if key not in _announced:
+        _announced.add(key)
+        logger.warning(message)
+
+
+def announced() -> list[str]:
+    return sorted(_announced)
+
+
+def _devices(text_model) -> tuple[torch.device, bool]:
+    """The embeddings' device, and whether any decoder layer or the final norm sits elsewhere (``device_map``)."""
+    device = text_model.embed_tokens.weight.device
+    others = [layer.input_layernorm.weight.device for layer in text_model.layers]
+    others.append(text_model.norm.weight.device)
+    return device, any(d != device for d in others)
+
+
+class FusedPlan:
+    """The resolved path of one text backbone (see the module docstring). Read by the fused modules on every call;
+    written only by :meth:`resolve`."""
+
+    def __init__(self):
+        self.fused_kernels = False
+        self.cuda_graphs = False
+        self.reason: str | None = "the model is not built yet"
+        self.kind_reasons: dict[str, str | None] = {}
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.multi_device = False
+        self.emulated = False
+        self.graphs = False
+        self.graphs_reason: str | None = None
+        self.buckets = False
+        self.decode_reason: str | None = self.reason
+        self.pdl = False
+        self.ops = KERNELS
+
+    def resolve(self, text_model) -> "FusedPlan":
+        """Work the path out for ``text_model`` as it is now (its config, device, dtype, mode)."""
+        switches = resolve_switches(text_model.config)
+        self.fused_kernels, self.cuda_graphs = switches["fused_kernels"], switches["cuda_graphs"]
+        self.device, self.multi_device = _devices(text_model)
+        self.dtype = text_model.embed_tokens.weight.dtype
+        self.emulated = EMULATE_ON_CPU and self.device.type == "cpu"
+        self.ops = REFERENCES if self.emulated else KERNELS
+        self.reason = self._model_reason(text_model)
+        config = text_model.config
+        fused = self.reason is None
+        self.kind_reasons = {kind: self.reason for kind in LAYER_KINDS}
+        if fused and config.hidden_act not in SWIGLU_ACTS:
+            self.kind_reasons["mlp"] = f"the MLP activation is {config.hidden_act!r} (fused: silu)"
+        deltanet_act = getattr(config, "hidden_act", "silu")
+        if fused and deltanet_act not in SWIGLU_ACTS:
+            self.kind_reasons["linear_attention"] = f"the DeltaNet activation is {deltanet_act!r} (fused: silu)"
+        self.graphs, self.graphs_reason = self._graphs()
+        # forwards and prompts run at their bucket's padded shape (captured on CUDA; the CPU emulation runs the same
+        # padded shapes eagerly, so the tests cover the padding)
+        self.buckets = self.graphs or (self.emulated and self.cuda_graphs and not self.multi_device and fused)
+        self.decode_reason = self.reason or self.kind_reasons["linear_attention"] or GENERATE_HOOKS_REASON
+        self.pdl = fused and not self.emulated and pdl_enabled(self.device)
+        return self
+
+    def _model_reason(self, text_model) -> str | None:
+        if not self.fused_kernels:
+            return "fused_kernels is off"
+        if self.device.type != "cuda" and not self.emulated:
+            return f"the model is on {self.device.type}"
+        unavailable = None if self.emulated else kernels_available()
+        if unavailable is not None:
+            return unavailable
+        if text_model.training:
+            return "the model is in training mode"
+        return None
+
+    def _graphs(self) -> tuple[bool, str | None]:
+        if self.reason is not None:
+            return False, None
+        if not self.cuda_graphs:
+            return False, "cuda_graphs is off"
+        if self.multi_device:
+            return False, "the model is split over several devices (device_map); one graph cannot span devices"
+        if self.device.type != "cuda":
+            return False, f"the model is on {self.device.type} (the emulation runs the same padded shapes eagerly)"
+        return True, None
+
+    @property
+    def fused(self) -> bool:
+        return self.reason is None
+
+    def runs(self, kind: str) -> bool:
+        """Whether a call of layer kind ``kind`` takes the fused path now (announces a fallback once)."""
+        reason = self.kind_reasons.get(kind, self.reason)
+        if reason is None and torch.is_grad_enabled():
+            reason = "gradients are enabled (run under torch.no_grad() or torch.inference_mode())"
+        if reason is None:
+            return True
+        if self.fused_kernels:
+            announce(reason, f"Qwen3.5 fused kernels: {kind} runs the stock transformers code because {reason}.")
+        return False
+
+    def fallback(self, kind: str, reason: str) -> None:
+        """Announce once that ``kind`` runs the stock code for one kind of call, because ``reason``."""
+        announce(f"{kind}/{reason}", f"Qwen3.5 fused kernels: {kind} runs the stock transformers code: {reason}.")
+
+    def render(self) -> dict:
+        """The plan as ``describe()`` reports it."""
+        return {
+            "fused_kernels": self.fused_kernels,
+            "cuda_graphs": self.cuda_graphs,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "reason": self.reason,
+            "graphs": self.graphs,
+            "graphs_reason": self.graphs_reason,
+            "buckets": self.buckets,
+            "decode_reason": self.decode_reason,
+            "pdl": self.pdl,
+            "pdl_gemv_late_signal_min_weight_elems": gemv_late_signal_min_elems() if self.pdl else None,
+            "kernels": "torch references (CPU emulation)" if self.emulated else "triton / fla",
+        }
