@@ -138,7 +138,7 @@ class FusedPlan:
         # padded shapes eagerly, so the tests cover the padding)
         self.buckets = self.graphs or (self.emulated and self.cuda_graphs and not self.multi_device and fused)
         self.decode_reason = self.reason or self.kind_reasons["linear_attention"] or GENERATE_HOOKS_REASON
-        self.pdl = fused and not self.emulated and pdl_enabled(self.device)
+        self.pdl = fused and pdl_enabled(self.device)
         return self
 
     def _model_reason(self, text_model) -> str | None:

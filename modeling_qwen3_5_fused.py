@@ -423,3 +423,8 @@ __all__ = [
     "Qwen3_5FusedModel",
     "Qwen3_5FusedForConditionalGeneration",
 ]
+
+# Stock code that builds a text backbone from a fused text config (stock's composite `__init__` calls
+# `AutoModel.from_config(config.text_config)`) gets the fused backbone, as remote loading registers its classes.
+# Registered by config class, not model type: stock `qwen3_5_text` configs keep the stock class.
+AutoModel.register(Qwen3_5FusedTextConfig, Qwen3_5FusedTextModel, exist_ok=True)

@@ -9,13 +9,14 @@ fallbacks (one log line each) and the errors. CUDA graphs and the kernels themse
 """
 
 import logging
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 import helpers
-from helpers import compat, decode, generate_mod, graphs, runner_mod  # the repo modules these tests reach into
+from helpers import compat, decode, generate_mod, graphs, plan_mod, runner_mod  # the repo modules these tests reach into
 from helpers import cache_of, composite_kwargs, fused_ops, generate_stock, modeling, rel_err, stock_and_fused_lm
 from helpers import fused_on_cpu  # noqa: F401 - the fixture, used by every test below
 
@@ -224,7 +225,8 @@ def test_describe_reports_pdl_and_the_gemv_late_signal(monkeypatch):
     _, fused = stock_and_fused_lm(seed=0)
     decode = fused.describe()["decode"]
     assert decode["pdl"] is False and decode["pdl_gemv_late_signal_min_weight_elems"] is None
-    monkeypatch.setattr(modeling, "pdl_enabled", lambda device: True)
+    monkeypatch.setattr(plan_mod, "pdl_enabled", lambda device: True)
+    fused._refresh_fused()  # the plan is resolved once, not per call
     assert fused.describe()["decode"]["pdl_gemv_late_signal_min_weight_elems"] == 9_000_000
     monkeypatch.setattr(fused_ops, "_GEMV_LATE_TRIGGER_ELEMS", 123)
     decode = fused.describe()["decode"]
@@ -268,7 +270,7 @@ def test_generate_runs_the_fused_loop_once_prefilled(monkeypatch):
     """generate() takes the fused loop: the model's forward runs once (the prefill), every token after is a step."""
     stock, fused = stock_and_fused_lm(seed=0)
     calls = {"run": 0, "loop": 0}
-    run, loop = decode.FusedDecodeCache.run, generate_mod.fused_sample
+    run, loop = runner_mod.FusedRunner.run_on_cache, modeling.fused_sample
 
     def counting_run(self, *a, **k):
         calls["run"] += 1
@@ -278,8 +280,8 @@ def test_generate_runs_the_fused_loop_once_prefilled(monkeypatch):
         calls["loop"] += 1
         return loop(*a, **k)
 
-    monkeypatch.setattr(decode.FusedDecodeCache, "run", counting_run)
-    monkeypatch.setattr(modeling, "_fused_sample", counting_loop)
+    monkeypatch.setattr(runner_mod.FusedRunner, "run_on_cache", counting_run)
+    monkeypatch.setattr(modeling, "fused_sample", counting_loop)
     ids, mask = _prompts(2, 6)
     a, b = _both(stock, fused, ids, mask, max_new_tokens=9, do_sample=False)
     _assert_same(a, b)
@@ -310,7 +312,7 @@ def test_greedy_without_processors_takes_argmax_in_the_model_dtype(monkeypatch):
     assert seen and set(seen) == {torch.bfloat16}
 
 
-def test_stop_rows_is_stocks_list_without_the_max_length_criterion(caplog):
+def test_stop_rows_is_stocks_list_without_the_max_length_criterion(monkeypatch):
     """`_stop_rows` ORs every criterion as stock's `StoppingCriteriaList` does, except stock's `MaxLengthCriteria`
     (the loop's host-side `at_max` decides it), which still runs, and warns, past `max_position_embeddings`."""
     from transformers.generation.stopping_criteria import (
@@ -325,9 +327,12 @@ def test_stop_rows_is_stocks_list_without_the_max_length_criterion(caplog):
     assert full(ids, None).tolist() == [True] * 3  # stock: the max length stops every row
     assert generate_mod.stop_rows(full, ids, None).tolist() == [False, True, True]
     assert generate_mod.stop_rows(StoppingCriteriaList([MaxLengthCriteria(9)]), ids, None) is None
-    with caplog.at_level(logging.WARNING):
-        generate_mod.stop_rows([MaxLengthCriteria(9, max_position_embeddings=2)], ids, None)
-    assert "maximum length" in caplog.text
+    from transformers.generation import stopping_criteria
+
+    warned = []  # the criterion's own warning (warn-once and logger propagation vary with the test order)
+    monkeypatch.setattr(stopping_criteria.logger, "warning_once", lambda msg, *a, **k: warned.append(msg))
+    generate_mod.stop_rows([MaxLengthCriteria(9, max_position_embeddings=2)], ids, None)
+    assert any("maximum length" in w for w in warned)
 
 
 def test_stop_flags_are_read_one_batch_late():
@@ -440,13 +445,13 @@ def test_lm_head_of_a_step_goes_through_small_linear_unless_wrapped(monkeypatch)
     plain bias-free Linear; a head that is anything else (here a bias, as a wrapper or an adapter would add) runs as
     the module, after the step, and both give stock's tokens and scores."""
     seen = []
-    real = modeling.small_linear
+    real = plan_mod.REFERENCES.small_linear  # the kernel set this file's fixture runs
 
     def spy(x, w, *a, **k):
         seen.append(tuple(w.shape))
         return real(x, w, *a, **k)
 
-    monkeypatch.setattr(modeling, "small_linear", spy)
+    monkeypatch.setattr(plan_mod.REFERENCES, "small_linear", spy)
     ids, mask = _prompts(2, 5)
     for with_bias in (False, True):
         stock, fused = stock_and_fused_lm(seed=3)
@@ -463,7 +468,7 @@ def test_lm_head_of_a_step_goes_through_small_linear_unless_wrapped(monkeypatch)
         vocab_shape = tuple(fused.lm_head.weight.shape)
         assert (vocab_shape in seen) is not with_bias, (with_bias, seen)
         # the plain head runs inside the step (and its CUDA graph); the biased one after it
-        assert (generate_mod.graph_head(fused, cache_of(b)._state) is fused.lm_head) is not with_bias
+        assert (generate_mod.graph_head(fused, fused.model, cache_of(b)._state) is fused.lm_head) is not with_bias
 
 
 ROPES = {
@@ -485,11 +490,12 @@ def _rotary(rope: dict, sections, head_dim: int, factor: float):
 
 
 class _Positions:
-    """The attributes of a `_DecodeState` that `_step_rope` reads and writes: the plan, the positions, and the key
-    mask [B, 8] whose column `slot` (5) the step marks valid."""
+    """The attributes of a `DecodeState` that `_step_rope` reads and writes: the rope plan, the kernel set, the
+    positions, and the key mask [B, 8] whose column `slot` (5) the step marks valid."""
 
-    def __init__(self, rope, positions):
+    def __init__(self, rope, positions, mrope_step):
         self.rope, self.positions = rope, positions
+        self.ops = types.SimpleNamespace(mrope_step=mrope_step)
         self.key_valid = torch.zeros(positions.shape[1], 8, dtype=torch.bool, device=positions.device)
         self.slot = torch.tensor([5], device=positions.device)
 
@@ -512,7 +518,6 @@ def test_step_rope_equals_stock_rotary(rope, sections, head_dim, factor, dtype, 
     move on by one: on the CPU through `mrope_step_ref` and (a CUDA test) on the GPU through the `mrope_step`
     kernel."""
     kernel = fused_ops.mrope_step_ref if device == "cpu" else fused_ops.mrope_step
-    monkeypatch.setattr(modeling, "mrope_step", kernel)  # this file's fixture swaps in the reference everywhere
     rot = _rotary(ROPES[rope], sections, head_dim, factor).to(device)
     plan = decode.rope_plan(rot, device)
     assert plan is not None
@@ -521,7 +526,7 @@ def test_step_rope_equals_stock_rotary(rope, sections, head_dim, factor, dtype, 
     before = positions.clone()
     h = torch.zeros(batch, 1, 64, dtype=dtype, device=device)
     want_cos, want_sin = rot(h, before)
-    state = _Positions(plan, positions)
+    state = _Positions(plan, positions, kernel)
     cos, sin = decode.DecodeState._step_rope(state, rot, h)
     assert cos.shape == want_cos.shape and cos.dtype == dtype and cos.is_contiguous()
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
