@@ -346,8 +346,7 @@ def export_composite(text_model, tokenizer, out_dir: Path, seed: int) -> dict:
         do_sample=False,
         eos_token_id=[eos, im_end],
         pad_token_id=eos,
-        max_new_tokens=64,
-        repetition_penalty=1.0,
+        repetition_penalty=1.0,  # no max_new_tokens: it would override a caller's max_length (lm-eval's max_gen_toks)
     ).save_pretrained(str(out_dir))
     return {
         "parameters_total": sum(p.numel() for p in model.parameters()),
