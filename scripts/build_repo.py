@@ -2,28 +2,36 @@
 repo's fused remote code, verified before anything can be pushed.
 
     python scripts/build_repo.py --base Qwen/Qwen3.5-9B --adapter org/my-lora --out out/my-model --repo-id org/my-model
-    python scripts/build_repo.py --base ./base --out out/plain --dtype bfloat16 --speed-table speed.md --force
-    python scripts/build_repo.py --verify out/my-model      # re-run the checks, rewrite verification.json
+    python scripts/build_repo.py --base ./base --base-id Qwen/Qwen3.5-4B --out out/plain --dtype bfloat16 --force
+    python scripts/build_repo.py --verify out/my-model --device cuda   # re-run the checks, rewrite verification.json
 
 What the output folder holds (a complete Hub repo):
 
-- the three code files of this repo, ``config.json`` with the STOCK ``model_type`` / ``architectures`` plus
-  ``auto_map`` and ``fused_kernels: true`` (so the repo loads fused with ``trust_remote_code=True`` and as a stock
-  Qwen3.5 checkpoint without it), ``generation_config.json``;
-- sharded safetensors in the stock key layout, written by the stock transformers class; base tensors the stock
-  class drops on load (the ``mtp.*`` head) are copied over, and tensors the base keeps in float32 stay float32;
+- this repo's code files (``scripts.common.code_files``: the two files ``auto_map`` names and what they import
+  relatively), ``config.json`` (the base's, with the STOCK ``model_type`` / ``architectures`` plus ``auto_map``,
+  ``fused_kernels: true`` and the dtype written, so the repo loads fused with ``trust_remote_code=True`` and as a
+  stock Qwen3.5 checkpoint without it), the base's ``generation_config.json``;
+- safetensors in the base's key layout (every base tensor, the ``mtp.*`` head the stock class ignores included), in
+  the requested dtype; tensors a 16-bit base keeps in float32 stay float32;
 - the base's tokenizer, chat template and processor files, copied byte for byte;
 - ``README.md`` (model card with Hub front matter) and ``verification.json`` (see :func:`verify_repo`).
 
-The merge. The base is loaded in float32, the adapter applied with PEFT and merged (``merge_and_unload``) in
-float32, and the result cast ONCE to the target dtype. Merging in bf16 would round twice (the LoRA update ``s·B·A``
-to bf16, then ``W + update`` to bf16) and loses the low bits of small updates.
+The merge. Tensor by tensor (:func:`merge_to_folder`): each adapted weight is read, merged in float32 on
+``--device`` as ``W + scaling · B @ A`` (what PEFT's ``merge_and_unload`` computes, bit for bit) and cast ONCE to the
+target dtype, so RAM holds about one shard plus one tensor, whatever the model's size. Merging in bf16 would round
+twice (the LoRA update to bf16, then ``W + update``) and loses the low bits of small updates. The adapter is checked
+against the base from the file headers first (:func:`plan_merge`), so a mismatch is a one-line error in seconds.
+
+Verification loads one float32 model at a time: onto the GPU with ``--device cuda`` (host RAM stays low), into RAM on
+CPU. Only a CUDA GPU verifies the fused kernels; on CPU every layer runs the stock code, and the result and the card
+say the kernels were not verified.
 
 Safety. The build happens in a hidden folder next to the output and is renamed into place only once complete and
 verified, so an interrupted or failed build leaves the output as it was (absent, or the old content with
-``--force``). A build that fails verification is kept at ``<out>.failed`` for inspection.
+``--force``); a build killed outright leaves its folder, which the next build of the same output removes (the folder
+names the build's process). A build that fails verification is kept at ``<out>.failed`` for inspection.
 
-Progress: PEFT's merge bar, transformers' "Writing model shards" bar and a hashing bar.
+Progress: a merge bar (tensors) and a hashing bar.
 """
 
 import argparse
@@ -31,6 +39,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import glob
 import hashlib
 import importlib.metadata
 import json
@@ -52,6 +61,7 @@ class BuildError(ValueError):
 
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=DTYPE_NAMES, help="target dtype (default: the base's)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out (only once the new build "
                         "is complete and verified)")
-    parser.add_argument("--max-shard-size", default="5GB")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE)
     parser.add_argument("--repo-id", help="the Hub id the folder will be pushed to (for the card's usage code)")
     parser.add_argument("--base-id", help="Hub id of a base given as a local folder (the card's base_model; required "
                         "for a local base)")
@@ -136,7 +146,6 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 # Only what a checkpoint needs is downloaded for a Hub base (no duplicate *.bin / original/ weights).
 BASE_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "README.md"]
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 # ---- verification bounds (relative error ||a - b|| / ||b|| of the logits, compared in float64) ------------------
 # Merged (float32 target) vs base + adapter unmerged, both float32: W' = W + s·B·A is rounded once in fp32 while the
@@ -1196,7 +1205,7 @@ def clean_stale_builds(out: Path) -> list[str]:
     """Remove the hidden ``.<out>.build-*`` folders of builds that were killed (their ``build.pid`` names a process
     that is gone, or they have none); a build still running keeps its folder. Returns the names removed."""
     removed = []
-    for work in sorted(out.parent.glob(f".{glob_escape(out.name)}.build-*")):
+    for work in sorted(out.parent.glob(f".{glob.escape(out.name)}.build-*")):
         pid_file = work / BUILD_PID_FILE
         try:
             pid = int(pid_file.read_text().split()[0])
@@ -1208,12 +1217,6 @@ def clean_stale_builds(out: Path) -> list[str]:
     if removed:
         logger.warning("removed %d folder(s) left by killed builds: %s", len(removed), ", ".join(removed))
     return removed
-
-
-def glob_escape(name: str) -> str:
-    import glob
-
-    return glob.escape(name)
 
 
 def build_repo(base: str, out, adapter: str | None = None, *, dtype: str | None = None, force: bool = False,
