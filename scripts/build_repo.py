@@ -2,28 +2,36 @@
 repo's fused remote code, verified before anything can be pushed.
 
     python scripts/build_repo.py --base Qwen/Qwen3.5-9B --adapter org/my-lora --out out/my-model --repo-id org/my-model
-    python scripts/build_repo.py --base ./base --out out/plain --dtype bfloat16 --speed-table speed.md --force
-    python scripts/build_repo.py --verify out/my-model      # re-run the checks, rewrite verification.json
+    python scripts/build_repo.py --base ./base --base-id Qwen/Qwen3.5-4B --out out/plain --dtype bfloat16 --force
+    python scripts/build_repo.py --verify out/my-model --device cuda   # re-run the checks, rewrite verification.json
 
 What the output folder holds (a complete Hub repo):
 
-- the three code files of this repo, ``config.json`` with the STOCK ``model_type`` / ``architectures`` plus
-  ``auto_map`` and ``fused_kernels: true`` (so the repo loads fused with ``trust_remote_code=True`` and as a stock
-  Qwen3.5 checkpoint without it), ``generation_config.json``;
-- sharded safetensors in the stock key layout, written by the stock transformers class; base tensors the stock
-  class drops on load (the ``mtp.*`` head) are copied over, and tensors the base keeps in float32 stay float32;
+- this repo's code files (``scripts.common.code_files``: the two files ``auto_map`` names and what they import
+  relatively), ``config.json`` (the base's, with the STOCK ``model_type`` / ``architectures`` plus ``auto_map``,
+  ``fused_kernels: true`` and the dtype written, so the repo loads fused with ``trust_remote_code=True`` and as a
+  stock Qwen3.5 checkpoint without it), the base's ``generation_config.json``;
+- safetensors in the base's key layout (every base tensor, the ``mtp.*`` head the stock class ignores included), in
+  the requested dtype; tensors a 16-bit base keeps in float32 stay float32;
 - the base's tokenizer, chat template and processor files, copied byte for byte;
 - ``README.md`` (model card with Hub front matter) and ``verification.json`` (see :func:`verify_repo`).
 
-The merge. The base is loaded in float32, the adapter applied with PEFT and merged (``merge_and_unload``) in
-float32, and the result cast ONCE to the target dtype. Merging in bf16 would round twice (the LoRA update ``s·B·A``
-to bf16, then ``W + update`` to bf16) and loses the low bits of small updates.
+The merge. Tensor by tensor (:func:`merge_to_folder`): each adapted weight is read, merged in float32 on
+``--device`` as ``W + scaling · B @ A`` (what PEFT's ``merge_and_unload`` computes, bit for bit) and cast ONCE to the
+target dtype, so RAM holds about one shard plus one tensor, whatever the model's size. Merging in bf16 would round
+twice (the LoRA update to bf16, then ``W + update``) and loses the low bits of small updates. The adapter is checked
+against the base from the file headers first (:func:`plan_merge`), so a mismatch is a one-line error in seconds.
+
+Verification loads one float32 model at a time: onto the GPU with ``--device cuda`` (host RAM stays low), into RAM on
+CPU. Only a CUDA GPU verifies the fused kernels; on CPU every layer runs the stock code, and the result and the card
+say the kernels were not verified.
 
 Safety. The build happens in a hidden folder next to the output and is renamed into place only once complete and
 verified, so an interrupted or failed build leaves the output as it was (absent, or the old content with
-``--force``). A build that fails verification is kept at ``<out>.failed`` for inspection.
+``--force``); a build killed outright leaves its folder, which the next build of the same output removes (the folder
+names the build's process). A build that fails verification is kept at ``<out>.failed`` for inspection.
 
-Progress: PEFT's merge bar, transformers' "Writing model shards" bar and a hashing bar.
+Progress: a merge bar (tensors) and a hashing bar.
 """
 
 import argparse
@@ -31,10 +39,12 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import glob
 import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -45,17 +55,82 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import torch
+
+class BuildError(ValueError):
+    """A user error (a value to change, an option to add): the CLI prints its message as one line."""
+
+
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", help="base checkpoint: folder or Hub id (text-only or composite Qwen3.5)")
+    parser.add_argument("--adapter", help="PEFT LoRA adapter to merge: folder or Hub id")
+    parser.add_argument("--out", help="output folder (the future Hub repo)")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, help="target dtype (default: the base's)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out (only once the new build "
+                        "is complete and verified)")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE)
+    parser.add_argument("--repo-id", help="the Hub id the folder will be pushed to (for the card's usage code)")
+    parser.add_argument("--base-id", help="Hub id of a base given as a local folder (the card's base_model; required "
+                        "for a local base)")
+    parser.add_argument("--adapter-id", help="Hub id of an adapter given as a local folder (card)")
+    parser.add_argument("--base-revision", help="branch, tag or commit of a Hub base")
+    parser.add_argument("--adapter-revision", help="branch, tag or commit of a Hub adapter")
+    parser.add_argument("--cache-dir", help="Hugging Face cache folder (default: the usual one)")
+    parser.add_argument("--speed-table", help="markdown file with measured speed, put in the card")
+    parser.add_argument("--quality-table", help="markdown file with measured quality, put in the card")
+    parser.add_argument("--chart", help="PNG chart to ship and show in the card")
+    parser.add_argument("--device", default="cpu", help="device for the merge and the verification (cpu or cuda; "
+                        "only a CUDA GPU verifies the fused kernels)")
+    parser.add_argument("--verify", metavar="FOLDER", help="only re-verify a built folder (sources from its "
+                        "verification.json unless --base / --adapter are given)")
+    return parser
+
+
+def check_args(args) -> None:
+    """The user errors an argument list shows by itself, as one-line ``BuildError``s, before any heavy import."""
+    if args.verify:
+        if not Path(args.verify, "config.json").is_file():
+            raise BuildError(f"--verify {args.verify}: no config.json there; pass the --out folder of a build")
+        return
+    if not args.base or not args.out:
+        raise BuildError("--base and --out are required (or --verify FOLDER)")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        raise BuildError(f"--out {args.out} exists and is not empty; pass --force to replace it (only once the new "
+                         "build is verified) or choose another folder")
+    if Path(args.base).expanduser().is_dir() and not args.base_id:
+        raise BuildError(f"--base {args.base} is a local folder: pass --base-id ORG/NAME, the Hub id it is a copy of "
+                         "(the card's base_model)")
+    for flag in ("adapter", "speed_table", "quality_table", "chart"):
+        value = getattr(args, flag)
+        if value and flag != "adapter" and not Path(value).is_file():
+            raise BuildError(f"--{flag.replace('_', '-')} {value}: no such file")
+    if args.chart and not args.chart.lower().endswith(".png"):
+        raise BuildError(f"--chart must be a .png file, got {args.chart}")
+
+
+if __name__ == "__main__":  # user errors in seconds, before torch and transformers are imported below
+    try:
+        check_args(build_parser().parse_args())
+    except BuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.common import import_repo  # noqa: E402
+from scripts.common import code_files, import_repo, repo_module  # noqa: E402
 
 CONFIG = import_repo()[0]
 from scripts.push_to_hub import (  # noqa: E402
-    CODE_FILES,
     PROCESSOR_FILES,
     TOKENIZER_FILES,
     VERIFICATION_FILE,
@@ -67,11 +142,10 @@ from scripts.push_to_hub import (  # noqa: E402
 
 logger = logging.getLogger("build_repo")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 # Only what a checkpoint needs is downloaded for a Hub base (no duplicate *.bin / original/ weights).
 BASE_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "README.md"]
-DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 # ---- verification bounds (relative error ||a - b|| / ||b|| of the logits, compared in float64) ------------------
 # Merged (float32 target) vs base + adapter unmerged, both float32: W' = W + s·B·A is rounded once in fp32 while the
@@ -176,13 +250,13 @@ def resolve_source(spec: str, revision: str | None = None, cache_dir: str | None
                    allow_patterns: list[str] | None = None) -> Source:
     """A local folder as it is, else a Hub id through ``snapshot_download`` (honours HF_HUB_OFFLINE and the cache)."""
     path = Path(spec).expanduser()
-    if path.is_dir():
+    if path.is_dir():  # recorded absolute: `--verify` from another folder must find the same base
         match = _CACHE_SNAPSHOT.search(path.resolve().as_posix())
         if match:  # a folder inside an HF cache still knows its id and commit
-            return Source(str(path), f"{match['org']}/{match['name']}", match["sha"])
-        return Source(str(path))
+            return Source(str(path.resolve()), f"{match['org']}/{match['name']}", match["sha"])
+        return Source(str(path.resolve()))
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-        raise FileNotFoundError(f"{spec!r} is neither a folder nor a Hub repo id")
+        raise BuildError(f"{spec!r} is neither a folder nor a Hub repo id (org/name)")
     from huggingface_hub import snapshot_download
 
     local = snapshot_download(spec, revision=revision, cache_dir=cache_dir, allow_patterns=allow_patterns)
@@ -192,7 +266,7 @@ def resolve_source(spec: str, revision: str | None = None, cache_dir: str | None
 def read_config(folder) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{folder} has no config.json")
+        raise BuildError(f"{folder} has no config.json: pass a Qwen3.5 checkpoint folder or Hub id")
     return json.loads(path.read_text())
 
 
@@ -218,7 +292,8 @@ def _safetensors_files(folder) -> list[Path]:
     single = folder / "model.safetensors"
     if single.is_file():
         return [single]
-    raise FileNotFoundError(f"{folder} has no model.safetensors or model.safetensors.index.json")
+    raise BuildError(f"{folder} has no model.safetensors or model.safetensors.index.json (.bin checkpoints are not "
+                     "read): pass a safetensors checkpoint")
 
 
 def checkpoint_shapes(folder) -> dict[str, tuple[str, list[int]]]:
@@ -275,7 +350,12 @@ def _stock_class(layout: Layout):
 
 def load_base(base_dir, layout: Layout, device: str = "cpu"):
     """The base as its stock transformers class, in float32."""
-    return _stock_class(layout).from_pretrained(base_dir, dtype=torch.float32).to(device).eval()
+    return _stock_class(layout).from_pretrained(base_dir, dtype=torch.float32, **_placement(device)).to(device).eval()
+
+
+def _placement(device: str) -> dict:
+    """Load straight onto a GPU (``device_map``), so host RAM never holds the float32 model; on CPU it must."""
+    return {} if device == "cpu" else {"device_map": device}
 
 
 # Text-only adapters (trained on Qwen3_5ForCausalLM, as AutoModelForCausalLM gives for every Qwen3.5 repo) name the
@@ -339,27 +419,183 @@ def load_adapter(model, adapter_dir):
     return peft_model.eval()
 
 
-def cast_once(model, dtype: torch.dtype, base_dir) -> list[str]:
-    """Cast the merged float32 ``model`` to ``dtype`` in one step. Parameters the base stores in float32 while most of
-    it is 16-bit (a full-precision ``A_log``, say) stay float32, as the base has them; returns their names."""
-    base_dtypes = {k: d for k, (d, _) in checkpoint_shapes(base_dir).items()}
-    keep = {}
-    if dtype != torch.float32:
-        keep = {name: p.detach().clone() for name, p in model.named_parameters() if base_dtypes.get(name) == "F32"}
-    model.to(dtype)
-    for name, p in model.named_parameters():
-        if name in keep:
-            p.data = keep[name]
-    return sorted(keep)
+@dataclasses.dataclass(frozen=True)
+class LoraUpdate:
+    """``W += scaling · B @ A`` for one base weight; ``a`` / ``b`` are keys of the adapter file."""
+
+    a: str
+    b: str
+    scaling: float
 
 
-def merge(base_dir, adapter_dir, layout: Layout):
-    """The stock model holding base (+ adapter merged), all in float32."""
-    model = load_base(base_dir, layout)
-    if adapter_dir is None:
-        return model
-    peft_model = load_adapter(model, adapter_dir)
-    return peft_model.merge_and_unload(progressbar=True, safe_merge=True)
+def _adapter_weights(adapter_dir) -> Path:
+    weights = Path(adapter_dir) / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise BuildError(f"{adapter_dir} has no adapter_model.safetensors (PEFT adapters in .bin are not read): "
+                         "save the adapter with safe_serialization=True")
+    return weights
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def plan_merge(base_dir, adapter_dir) -> dict[str, LoraUpdate]:
+    """``{base weight key: update}`` for a PEFT LoRA adapter, from the file headers only (nothing is loaded), or a
+    one-line ``BuildError`` when the adapter does not fit the base: modules the base lacks (an adapter of a deeper
+    model), shapes that differ (of a wider one), or a kind of adapter this merge does not apply.
+
+    Keys of an adapter trained on the other layout (text-only ``model.*`` vs composite ``model.language_model.*``)
+    are renamed onto the base's. ``scaling`` is PEFT's: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), ``r`` and
+    ``alpha`` per module from ``rank_pattern`` / ``alpha_pattern``."""
+    from peft.utils.other import get_pattern_key
+    from safetensors import safe_open
+
+    adapter_dir = Path(adapter_dir)
+    config_path = adapter_dir / "adapter_config.json"
+    if not config_path.is_file():
+        raise BuildError(f"{adapter_dir} has no adapter_config.json: pass the folder PEFT's save_pretrained wrote")
+    cfg = json.loads(config_path.read_text())
+    if cfg.get("peft_type") != "LORA":
+        raise BuildError(f"adapter {adapter_dir} is peft_type={cfg.get('peft_type')!r}; only LoRA adapters are merged")
+    for flag in ("use_dora", "fan_in_fan_out"):
+        if cfg.get(flag):
+            raise BuildError(f"adapter {adapter_dir} has {flag}=true, which this merge does not apply; merge it with "
+                             "PEFT's merge_and_unload and pass the result as --base")
+    with safe_open(str(_adapter_weights(adapter_dir)), framework="pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    other = sorted(k for k in shapes if not k.endswith((".lora_A.weight", ".lora_B.weight")))
+    if other:
+        raise BuildError(f"adapter {adapter_dir} holds {len(other)} tensors that are not LoRA A/B weights (e.g. "
+                         f"{other[0]}): modules_to_save, embedding or bias updates are not merged by this script")
+    modules = sorted(k.removesuffix(".lora_A.weight") for k in shapes if k.endswith(".lora_A.weight"))
+    base = {k: s for k, (_, s) in checkpoint_shapes(base_dir).items()}
+    best = None
+    for src, dst in (("model.", "model."), ("model.", "model.language_model."), ("model.language_model.", "model.")):
+        names = {}
+        for module in modules:
+            name = module.removeprefix("base_model.model.")
+            if name.startswith(src) and not (src == "model." and dst != src and name.startswith(dst)):
+                name = dst + name[len(src):]
+            names[module] = name + ".weight"
+        missing = [m for m in modules if names[m] not in base]
+        if best is None or len(missing) < len(best[1]):
+            best = names, missing
+    names, missing = best
+    if missing:
+        depth = 1 + max((int(m[1]) for k in base if (m := _LAYER.search(k))), default=-1)
+        deeper = sorted({int(m[1]) for k in missing if (m := _LAYER.search(k)) and int(m[1]) >= depth})
+        why = (f"it was trained on a deeper model (layers up to {deeper[-1]}, the base has {depth})" if deeper
+               else "it was trained on another model")
+        raise BuildError(f"adapter {adapter_dir} targets {len(missing)} modules the base lacks (e.g. "
+                         f"{names[missing[0]].removesuffix('.weight')}): {why}; pass the base it was trained on")
+    alpha_pattern, r_default = cfg.get("alpha_pattern") or {}, cfg.get("r")
+    updates = {}
+    for module in modules:
+        key, a, b = names[module], module + ".lora_A.weight", module + ".lora_B.weight"
+        (out_f, in_f), (r, a_in), (b_out, b_r) = base[key], shapes[a], shapes.get(b, [None, None])
+        if (a_in, b_out, b_r) != (in_f, out_f, r):
+            raise BuildError(f"adapter {adapter_dir} does not fit the base at {key} [{out_f}, {in_f}]: lora_A is "
+                             f"{shapes[a]}, lora_B {shapes.get(b)}; it was trained on a model of other sizes, pass the "
+                             "base it was trained on")
+        pattern = get_pattern_key(alpha_pattern.keys(), module.removeprefix("base_model.model."))
+        alpha = alpha_pattern.get(pattern, cfg.get("lora_alpha", r_default))
+        updates[key] = LoraUpdate(a, b, alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r)
+    return updates
+
+
+@dataclasses.dataclass
+class MergeStats:
+    """What :func:`merge_to_folder` wrote and the most tensor bytes it held at once (the merge's RAM, less a few
+    small LoRA matrices)."""
+
+    tensors: int = 0
+    total_bytes: int = 0
+    peak_bytes: int = 0
+    kept_fp32: list = dataclasses.field(default_factory=list)
+
+
+def _shard_plan(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Keys in order, cut into shards of at most ``max_bytes`` (a larger tensor gets a shard of its own)."""
+    shards, current, used = [], [], 0
+    for key, size in sizes.items():
+        if current and used + size > max_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(key)
+        used += size
+    return shards + [current] if current else shards
+
+
+def merge_to_folder(base_dir, adapter_dir, folder: Path, dtype: torch.dtype, *, device: str = "cpu",
+                    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, updates: dict | None = None) -> MergeStats:
+    """Write the base's tensors (+ the adapter merged) to ``folder`` as safetensors in the base's key layout, one
+    tensor at a time: read, merged in float32 on ``device`` (``W + scaling · B @ A``, what PEFT's ``merge_and_unload``
+    computes), cast once to ``dtype``, then held until its shard is written. RAM therefore peaks near one shard
+    (``max_shard_size``) plus one tensor, whatever the model's size.
+
+    Tensors a mostly 16-bit base keeps in float32 (a full-precision ``A_log``, say) stay float32 for a 16-bit
+    ``dtype``; a float32 base is cast whole. Integer tensors are copied as they are."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers.utils.hub import convert_file_size_to_int
+
+    updates = plan_merge(base_dir, adapter_dir) if adapter_dir is not None and updates is None else (updates or {})
+    stored = checkpoint_shapes(base_dir)
+    keep_fp32 = dtype != torch.float32 and _stored_dtype(stored) != torch.float32
+    out_dtypes, sizes = {}, {}
+    for key, (st_dtype, shape) in sorted(stored.items()):
+        src = _SAFETENSORS_DTYPES.get(st_dtype)
+        out_dtypes[key] = None if src is None or (keep_fp32 and src == torch.float32) else dtype
+        element = torch.empty((), dtype=out_dtypes[key] or _safetensors_torch_dtype(st_dtype)).element_size()
+        sizes[key] = element * math.prod(shape)
+    shards = _shard_plan(sizes, convert_file_size_to_int(max_shard_size))
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    where = {}
+    for path in _safetensors_files(base_dir):
+        with safe_open(str(path), framework="pt") as f:
+            where.update(dict.fromkeys(f.keys(), path))
+    stats = MergeStats(kept_fp32=sorted(k for k, d in out_dtypes.items() if d is None and stored[k][0] == "F32"))
+    weight_map = {}
+    with contextlib.ExitStack() as stack:
+        lora = stack.enter_context(safe_open(str(_adapter_weights(adapter_dir)), framework="pt")) if updates else None
+        files = {p: stack.enter_context(safe_open(str(p), framework="pt")) for p in set(where.values())}
+        bar = tqdm(total=len(stored), desc="Merging" if updates else "Casting", unit="tensor")
+        for name, keys in zip(names, shards):
+            held, held_bytes = {}, 0
+            for key in keys:
+                tensor = files[where[key]].get_tensor(key)
+                if key in updates:
+                    u = updates[key]
+                    a = lora.get_tensor(u.a).to(device, torch.float32)
+                    b = lora.get_tensor(u.b).to(device, torch.float32)
+                    tensor = tensor.to(device, torch.float32) + (b @ a) * u.scaling
+                    stats.peak_bytes = max(stats.peak_bytes, held_bytes + 2 * tensor.numel() * 4)
+                if out_dtypes[key] is not None:
+                    tensor = tensor.to(out_dtypes[key])
+                held[key] = tensor.to("cpu").contiguous()
+                held_bytes += sizes[key]
+                stats.peak_bytes = max(stats.peak_bytes, held_bytes)
+                bar.update(1)
+            save_file(held, str(folder / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(keys, name))
+            stats.tensors += len(held)
+            stats.total_bytes += held_bytes
+            del held
+        bar.close()
+    if len(names) > 1:
+        index = {"metadata": {"total_size": stats.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    written = _stored_dtype(checkpoint_shapes(folder))
+    if written != dtype and not (keep_fp32 and written == torch.float32):
+        raise BuildError(f"asked for {dtype_name(dtype)} but the checkpoint holds mostly {dtype_name(written)}")
+    return stats
+
+
+def _safetensors_torch_dtype(name: str) -> torch.dtype:
+    from safetensors.torch import _TYPES
+
+    return _TYPES[name]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -367,58 +603,15 @@ def merge(base_dir, adapter_dir, layout: Layout):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _ignored_base_tensors(model, base_dir, saved: dict) -> list[str]:
-    """Base tensors the stock class drops on load by design (``_keys_to_ignore_on_load_unexpected``: the ``mtp.*``
-    multi-token-prediction head of real Qwen3.5 checkpoints) and that the save therefore left out."""
-    patterns = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
-    return sorted(k for k in checkpoint_shapes(base_dir) if k not in saved and any(p.search(k) for p in patterns))
-
-
-def _carry_ignored_tensors(model, base_dir, folder: Path, dtype: torch.dtype) -> list[str]:
-    """Copy the tensors of :func:`_ignored_base_tensors` (cast to ``dtype``) into the checkpoint, so that the repo keeps
-    everything the base had (vLLM / SGLang read the MTP head; transformers ignores it, as for the base)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    keys = _ignored_base_tensors(model, base_dir, checkpoint_shapes(folder))
-    if not keys:
-        return []
-    tensors = {}
-    for path in _safetensors_files(base_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for key in set(f.keys()) & set(keys):
-                t = f.get_tensor(key)
-                tensors[key] = t.to(dtype) if t.is_floating_point() else t
-    index_path = folder / "model.safetensors.index.json"
-    if index_path.is_file():
-        index = json.loads(index_path.read_text())
-    else:  # one file so far: from now on an index names both
-        index = {"metadata": {"total_size": (folder / "model.safetensors").stat().st_size},
-                 "weight_map": {k: "model.safetensors" for k in checkpoint_shapes(folder)}}
-    extra = "model-extra.safetensors"
-    save_file(tensors, str(folder / extra), metadata={"format": "pt"})
-    index["weight_map"].update({k: extra for k in tensors})
-    index["weight_map"] = dict(sorted(index["weight_map"].items()))
-    metadata = index.setdefault("metadata", {})
-    metadata["total_size"] = metadata.get("total_size", 0) + sum(t.numel() * t.element_size() for t in tensors.values())
-    if (folder / "model.safetensors").is_file():  # transformers prefers model.safetensors over an index: rename it
-        (folder / "model.safetensors").rename(folder / "model-main.safetensors")
-        index["weight_map"] = {k: ("model-main.safetensors" if v == "model.safetensors" else v)
-                               for k, v in index["weight_map"].items()}
-    index_path.write_text(json.dumps(index, indent=2) + "\n")
-    return keys
-
-
-def save_weights(model, folder: Path, max_shard_size: str) -> None:
-    """Stock ``save_pretrained``: stock key layout, sharded safetensors, config.json, generation_config.json."""
-    model.save_pretrained(str(folder), max_shard_size=max_shard_size, safe_serialization=True)
-
-
-def write_config(folder: Path, layout: Layout) -> dict:
-    """Add ``auto_map`` and the fused switches to the config the stock class wrote (model_type and architectures
-    stay stock, so the repo still loads without remote code)."""
+def write_config(base_dir, folder: Path, layout: Layout, dtype: torch.dtype) -> dict:
+    """The base's config.json with the dtype written, ``auto_map`` and the fused switches added (model_type and
+    architectures stay stock, so the repo still loads without remote code)."""
+    config = read_config(base_dir)
+    for cfg in (config, *(config[k] for k in ("text_config", "vision_config") if isinstance(config.get(k), dict))):
+        for key in ("dtype", "torch_dtype"):
+            if key in cfg or cfg is config:
+                cfg[key] = dtype_name(dtype)
     path = folder / "config.json"
-    config = json.loads(path.read_text())
     config["auto_map"] = dict(layout.auto_map)
     config["fused_kernels"] = True
     config["cuda_graphs"] = True
@@ -429,9 +622,12 @@ def write_config(folder: Path, layout: Layout) -> dict:
     return config
 
 
-def copy_code(folder: Path) -> None:
-    for name in CODE_FILES:
+def copy_code(folder: Path) -> list[str]:
+    """Copy this repo's code files (``scripts.common.code_files``) into ``folder``."""
+    names = code_files(REPO)
+    for name in names:
         shutil.copy2(REPO / name, folder / name)
+    return names
 
 
 def copy_tokenizer(base_dir, folder: Path) -> list[str]:
@@ -452,7 +648,7 @@ def copy_tokenizer(base_dir, folder: Path) -> list[str]:
 
 
 def copy_generation_config(base_dir, folder: Path) -> None:
-    """Keep the base's generation_config.json as it is (sampling defaults); the stock save wrote one otherwise."""
+    """Keep the base's generation_config.json as it is (sampling defaults)."""
     src = Path(base_dir) / "generation_config.json"
     if src.is_file():
         shutil.copy2(src, folder / "generation_config.json")
@@ -474,8 +670,7 @@ def _stock_runs_on(device: str):
     """Stock Qwen3.5 calls fla's Triton kernels whenever fla is installed, which fail on CPU tensors: on CPU run its
     plain-torch functions instead (the fused classes' own fallback does the same)."""
     if device == "cpu":
-        _, modeling, _ = import_repo()
-        with compat.torch_reference_kernels():
+        with repo_module("fused_compat").torch_reference_kernels():
             yield
     else:
         yield
@@ -610,6 +805,13 @@ def _perturb_like_rounding(model, dtype: torch.dtype, seed: int = VERIFY_SEED) -
             p.mul_((1 + noise).to(p.dtype).to(p.device))
 
 
+def _has_code_files(folder: Path) -> bool:
+    try:
+        return bool(code_files(folder))
+    except FileNotFoundError:
+        return False
+
+
 def _file_checks(folder: Path, layout: Layout, base_dir) -> dict:
     config = read_config(folder)
     config_ok = (
@@ -617,7 +819,7 @@ def _file_checks(folder: Path, layout: Layout, base_dir) -> dict:
         and config.get("architectures") == [layout.stock_class]
         and config.get("auto_map") == layout.auto_map
         and config.get("fused_kernels") is True
-        and all(n in os.listdir(folder) for n in CODE_FILES)
+        and _has_code_files(folder)
     )
     out_shapes = checkpoint_shapes(folder)
     result = {"config": {"passed": bool(config_ok), "model_type": config.get("model_type"),
@@ -651,7 +853,7 @@ def code_revision() -> dict:
     """The git commit of this repo's code files and whether they differ from it (best effort)."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", *CODE_FILES], cwd=REPO, capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *code_files(REPO)], cwd=REPO, capture_output=True,
                                text=True, check=True)
         return {"commit": head.stdout.strip(), "code_files_modified": bool(dirty.stdout.strip())}
     except (OSError, subprocess.CalledProcessError):
@@ -697,11 +899,14 @@ def verify_repo(folder, base: Source | str | None = None, adapter: Source | str 
     auto = AutoModelForCausalLM if layout.name == "text" else AutoModelForImageTextToText
     with _hub_view(folder) as (repo_id, cache_dir):
         checks["fused_load"], fused_logits, fused_tokens = _load_and_run(
+            # revision="main": the snapshot's only ref (unpinned, transformers warns of "a new version downloaded")
             lambda: auto.from_pretrained(repo_id, cache_dir=cache_dir, local_files_only=True, trust_remote_code=True,
-                                         dtype=torch.float32, output_loading_info=True),
+                                         revision="main", dtype=torch.float32, output_loading_info=True,
+                                         **_placement(device)),
             layout.fused_class, True, inputs, prompt, device)
     checks["stock_load"], stock_logits, stock_tokens = _load_and_run(
-        lambda: _stock_class(layout).from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True),
+        lambda: _stock_class(layout).from_pretrained(str(folder), dtype=torch.float32, output_loading_info=True,
+                                                     **_placement(device)),
         layout.stock_class, False, inputs, prompt, device)
 
     bound = FUSED_VS_STOCK_BOUND.get(device, FUSED_VS_STOCK_BOUND_CUDA)
@@ -734,9 +939,12 @@ def verify_repo(folder, base: Source | str | None = None, adapter: Source | str 
     checks["vs_reference"] = vs_ref
 
     required = ("config", "fused_load", "stock_load", "fused_vs_stock", "greedy", "vs_reference")
+    paths = checks["fused_load"].get("paths") or {}
     result = {
         "passed": all(checks[name]["passed"] for name in required),
         "failed": [name for name in required if not checks[name]["passed"]],
+        # fused vs stock compares something only where some layer ran fused (on CPU every layer runs stock code)
+        "fused_kernels_verified": bool(paths) and any(p.startswith("fused") for p in paths.values()),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "layout": layout.name,
         "dtype": dtype_name(target),
@@ -763,6 +971,8 @@ def _as_source(value, allow_patterns=None) -> Source | None:
     if isinstance(value, dict):
         if value.get("hub_id"):
             return resolve_source(value["hub_id"], revision=value.get("revision"), allow_patterns=allow_patterns)
+        if not Path(value["path"]).is_dir():
+            raise BuildError(f"the recorded source folder {value['path']} is gone: pass --base (and --adapter) again")
         return Source(value["path"])
     return resolve_source(str(value), allow_patterns=allow_patterns)
 
@@ -813,17 +1023,48 @@ def _card_source(source: Source, hub_id: str | None) -> str:
     return f"{hub_id} (local copy)" if hub_id else "a local folder"
 
 
+def _has_chat_template(folder: Path) -> bool:
+    config = folder / "tokenizer_config.json"
+    return (any((folder / n).is_file() for n in CHAT_TEMPLATE_FILES)
+            or (config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))))
+
+
+def usage_example(repo_id: str, auto: str, dtype: torch.dtype, has_chat_template: bool) -> str:
+    """The card's generation example: runs as written on a CPU or a GPU (the tests run it on CPU)."""
+    prompt = ('messages = [{"role": "user", "content": "Give me a short introduction to large language models."}]\n'
+              "inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors=\"pt\", "
+              "return_dict=True).to(device)" if has_chat_template else
+              'inputs = tokenizer("Large language models are", return_tensors="pt").to(device)')
+    return "\n".join([
+        "import torch",
+        f"from transformers import {auto}, AutoTokenizer", "",
+        f'repo = "{repo_id}"',
+        'revision = "main"  # better: the commit hash you reviewed (trust_remote_code runs this repo\'s Python files)',
+        'device = "cuda" if torch.cuda.is_available() else "cpu"',
+        "tokenizer = AutoTokenizer.from_pretrained(repo, revision=revision)",
+        f"model = {auto}.from_pretrained(repo, revision=revision, trust_remote_code=True, "
+        f"dtype=torch.{dtype_name(dtype)}).to(device)",
+        'print(model.describe()["layers"])  # what runs fused, what falls back and why', "",
+        prompt,
+        "output = model.generate(**inputs, max_new_tokens=32, do_sample=False)",
+        'print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))',
+    ])
+
+
 def render_model_card(*, repo_id: str, layout: Layout, base: Source, adapter: Source | None, base_id: str | None,
                       adapter_id: str | None, dtype: torch.dtype, license_meta: dict, verification: dict,
-                      has_processor: bool = False, speed_table: str | None = None,
+                      has_processor: bool = False, has_chat_template: bool = True, speed_table: str | None = None,
                       quality_table: str | None = None, chart: str | None = None) -> str:
-    """README.md: Hub front matter, usage with and without remote code, packages, how it was made, measurements."""
+    """README.md: Hub front matter (base model, pipeline), what changed, usage that runs as written, intended use,
+    limitations, packages, how it was made, evaluation (the verification table, measurements)."""
     from huggingface_hub import ModelCardData
 
+    # image-text-to-text only where the repo can take images: a composite base that ships its processor files
+    vision = layout.name == "composite" and has_processor
     tags = ["custom_code", "qwen3_5", "fused-kernels"] + (["lora-merged"] if adapter else [])
     data = ModelCardData(
         library_name="transformers",
-        pipeline_tag=layout.pipeline_tag,
+        pipeline_tag=layout.pipeline_tag if vision else "text-generation",
         base_model=base_id,
         base_model_relation="finetune" if (adapter and base_id) else None,
         tags=tags,
@@ -838,9 +1079,9 @@ def render_model_card(*, repo_id: str, layout: Layout, base: Source, adapter: So
     if adapter:
         a_link = f"[{adapter_id}](https://huggingface.co/{adapter_id})" if adapter_id else "a local adapter"
         what += f" with the LoRA adapter {a_link} merged in"
-    auto, load_cls = layout.auto_class, ("AutoProcessor" if has_processor else "AutoTokenizer")
     checks = verification["checks"]
     ref = checks["vs_reference"]
+    kernels_verified = bool(verification.get("fused_kernels_verified"))
     lines = [
         "---", data.to_yaml().strip(), "---", "",
         f"# {name}", "",
@@ -850,31 +1091,41 @@ def render_model_card(*, repo_id: str, layout: Layout, base: Source, adapter: So
         "flash-linear-attention for the Gated DeltaNet layers) on a CUDA GPU with triton and flash-linear-attention "
         "installed; anywhere else they run the stock transformers code and say so once. Without "
         "`trust_remote_code` the repo loads as a plain stock Qwen3.5 model.", "",
-        "## Usage", "",
-        "Pin a revision: `trust_remote_code=True` runs this repo's Python files, and a commit hash makes sure the code "
-        "you reviewed is the code you run (see the repo's *Files and versions* history, or "
-        "`huggingface_hub.HfApi().model_info(repo).sha`).", "",
-        "With the fused kernels:", "",
-        "```python",
-        "import torch",
-        f"from transformers import {auto}, {load_cls}", "",
-        f'repo, revision = "{repo_id}", "<commit sha>"',
-        f"{'processor' if has_processor else 'tokenizer'} = {load_cls}.from_pretrained(repo, "
-        "revision=revision)",
-        f"model = {auto}.from_pretrained(repo, revision=revision, trust_remote_code=True, dtype=torch.{dt}, "
-        'device_map="cuda")',
-        "print(model.describe())  # what runs fused, what falls back and why",
-        "```", "",
-        "Without remote code (stock transformers, same weights):", "",
-        "```python",
-        f"model = {auto}.from_pretrained(repo, revision=revision, dtype=torch.{dt})",
-        "```", "",
-        "The fused path can be switched off at load time (`fused_kernels=False`) or with the environment variable "
-        "`QWEN3_5_FUSED_KERNELS=0`.",
+        "What changed from the base: " + ("the adapter's low-rank updates were added to the weights they target; "
+                                          if adapter else "no weights (")
+        + (f"the weights are stored in {dt}" + ("" if adapter else ")"))
+        + "; the fused remote code and `auto_map` were added to the config. Tensor names and shapes are the base's.",
+        "", "## Usage", "",
+        "Runs as written on a CPU or a CUDA GPU (the fused kernels only on the GPU):", "",
+        "```python", usage_example(repo_id, "AutoModelForCausalLM", dtype, has_chat_template), "```", "",
     ]
-    if layout.name == "composite":
-        lines += ["", "For text only, `AutoModelForCausalLM.from_pretrained(repo, revision=revision, "
-                  "trust_remote_code=True)` loads the text backbone and LM head (the vision tower is skipped)."]
+    if vision:
+        lines += [f"Images: `{layout.auto_class}` with `AutoProcessor` (the base's processor files are included).", ""]
+    elif layout.name == "composite":
+        lines += ["The checkpoint holds the base's vision tower, but the repo ships no processor files, so it is "
+                  "listed for text generation.", ""]
+    lines += [
+        "Without remote code (stock transformers, same weights): the same call without `trust_remote_code=True`. "
+        "The fused path can be switched off at load time (`fused_kernels=False`) or with the environment variable "
+        "`QWEN3_5_FUSED_KERNELS=0`.", "",
+        "## Intended use", "",
+        "Faster inference (`generate`, forward passes) with transformers for what "
+        + (f"[{base_id}](https://huggingface.co/{base_id})" if base_id else "the base model")
+        + (" with the adapter" if adapter else "") + " is used for, on a CUDA GPU; the same checkpoint serves stock "
+        "transformers and engines that read stock Qwen3.5 checkpoints (vLLM, SGLang), which ignore the remote code.",
+        "", "## Limitations", "",
+        "- The model's abilities, biases and license are those of the base"
+        + (" and the adapter's training data" if adapter else "") + "; nothing here was evaluated for quality or "
+        "safety beyond the checks below.",
+        f"- Stored in {dt}: " + ("no rounding beyond the base's." if dtype == torch.float32 else
+                                 "each weight is rounded once (the merge ran in float32); the logits check below "
+                                 "bounds the effect."),
+        "- The fused kernels need a CUDA GPU, triton and flash-linear-attention; elsewhere the stock code runs.",
+    ]
+    if not kernels_verified:
+        lines.append("- **The fused kernels were not verified for this checkpoint**: it was built on a machine "
+                     f"without a CUDA GPU ({verification['device']}), where every layer runs the stock code, so the "
+                     "fused-vs-stock checks below compare the stock path with itself.")
     lines += [
         "", "## Packages", "",
         "Required: " + ", ".join(f"`{spec(n)}`" for n in ("torch", "transformers", "safetensors", "tokenizers",
@@ -890,18 +1141,22 @@ def render_model_card(*, repo_id: str, layout: Layout, base: Source, adapter: So
                   f"alpha={adapter_info['lora_alpha']}, target modules {adapter_info['target_modules']}"
                   + (", DoRA" if adapter_info["use_dora"] else "") + (", rsLoRA" if adapter_info["use_rslora"] else "")
                   + ")",
-                  "- merge: base loaded in float32, adapter applied with PEFT and merged (`merge_and_unload`) in "
-                  f"float32, then cast once to {dt} (merging in a 16-bit dtype would round the update and then the "
-                  "sum)"]
+                  "- merge: tensor by tensor, each adapted weight computed in float32 as `W + scaling · B @ A` (what "
+                  f"PEFT's `merge_and_unload` computes), then cast once to {dt} (merging in a 16-bit dtype would round "
+                  "the update and then the sum)"]
     else:
-        lines += [f"- no adapter: the base weights, loaded in float32 and cast once to {dt}"]
+        lines += [f"- no adapter: the base weights, cast once to {dt}"]
     v = verification["versions"]
+    fvs = (f"rel. error {fmt_err(checks['fused_vs_stock']['rel_err'])}" if kernels_verified
+           else "not verified: no layer ran fused (no CUDA GPU)")
+    greedy = (f"fused == stock: {'yes' if checks['greedy']['passed'] else 'no'}" if kernels_verified
+              else "not verified: no layer ran fused (no CUDA GPU)")
     lines += [
-        f"- written by the stock `{layout.stock_class}.save_pretrained` (stock tensor names and shapes)",
+        "- written tensor by tensor in the base's key layout (stock tensor names and shapes)",
         "- versions: " + ", ".join(f"{k} {v[k]}" for k in ("torch", "transformers", "peft", "safetensors",
                                                             "huggingface_hub") if v.get(k)),
-        "", "## Verification", "",
-        f"Before upload (`verification.json`, {verification['timestamp']}, {verification['device']}):", "",
+        "", "## Evaluation", "",
+        f"Checks run before upload (`verification.json`, {verification['timestamp']}, {verification['device']}):", "",
         "| check | result |", "| --- | --- |",
         f"| loads with `trust_remote_code` as `{checks['fused_load'].get('class')}` | "
         f"{'no missing / unexpected keys' if checks['fused_load']['passed'] else 'FAILED'} |",
@@ -909,16 +1164,15 @@ def render_model_card(*, repo_id: str, layout: Layout, base: Source, adapter: So
         f"{'no missing / unexpected keys' if checks['stock_load']['passed'] else 'FAILED'} |",
         f"| logits vs {ref['reference']} | rel. error {fmt_err(ref['rel_err'])} "
         f"(bound {fmt_err(ref['bound'])}) |",
-        f"| logits, fused vs stock (float32) | rel. error {fmt_err(checks['fused_vs_stock']['rel_err'])} |",
-        f"| greedy decoding, {checks['greedy']['new_tokens']} tokens | fused == stock: "
-        f"{'yes' if checks['greedy']['passed'] else 'no'} |",
+        f"| logits, fused vs stock (float32) | {fvs} |",
+        f"| greedy decoding, {checks['greedy']['new_tokens']} tokens | {greedy} |",
     ]
     if "adapter_effect" in ref:
         lines += ["", f"For scale: the adapter itself moves the logits by {fmt_err(ref['adapter_effect'])} (rel. error of "
                   "base vs base + adapter)."]
     for title, table in (("Speed", speed_table), ("Quality", quality_table)):
         if table:
-            lines += ["", f"## {title}", "", table.strip()]
+            lines += ["", f"### {title}", "", table.strip()]
     if chart:
         lines += ["", f"![speed chart]({chart})"]
     return "\n".join(lines) + "\n"
@@ -933,6 +1187,37 @@ def _is_nonempty_dir(path: Path) -> bool:
     return path.exists() and (not path.is_dir() or any(path.iterdir()))
 
 
+BUILD_PID_FILE = "build.pid"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def clean_stale_builds(out: Path) -> list[str]:
+    """Remove the hidden ``.<out>.build-*`` folders of builds that were killed (their ``build.pid`` names a process
+    that is gone, or they have none); a build still running keeps its folder. Returns the names removed."""
+    removed = []
+    for work in sorted(out.parent.glob(f".{glob.escape(out.name)}.build-*")):
+        pid_file = work / BUILD_PID_FILE
+        try:
+            pid = int(pid_file.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pid = None
+        if pid is None or not _process_alive(pid):
+            shutil.rmtree(work, ignore_errors=True)
+            removed.append(work.name)
+    if removed:
+        logger.warning("removed %d folder(s) left by killed builds: %s", len(removed), ", ".join(removed))
+    return removed
+
+
 def build_repo(base: str, out, adapter: str | None = None, *, dtype: str | None = None, force: bool = False,
                max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, repo_id: str | None = None, base_id: str | None = None,
                adapter_id: str | None = None, base_revision: str | None = None, adapter_revision: str | None = None,
@@ -940,48 +1225,47 @@ def build_repo(base: str, out, adapter: str | None = None, *, dtype: str | None 
                chart: str | None = None, device: str = "cpu") -> dict:
     """Build, verify and atomically publish the repo folder ``out``; returns the verification result.
 
-    Raises ``FileExistsError`` when ``out`` is non-empty and ``force`` is not set, ``VerificationFailed`` when the
-    checks fail (the build is then kept at ``<out>.failed``, ``out`` untouched).
+    Raises ``BuildError`` for a user error (a non-empty ``out`` without ``force``, an adapter that does not fit the
+    base, ...) before any weight is read, ``VerificationFailed`` when the checks fail (the build is then kept at
+    ``<out>.failed``, ``out`` untouched).
     """
     out = Path(out).absolute()
     if _is_nonempty_dir(out) and not force:
-        raise FileExistsError(f"{out} is not empty; pass --force to replace it")
+        raise BuildError(f"{out} is not empty; pass --force to replace it")
     if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise BuildError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     tables = {}
     for key, path in (("speed_table", speed_table), ("quality_table", quality_table)):
         tables[key] = Path(path).read_text() if path else None
     if chart is not None and not str(chart).lower().endswith(".png"):
-        raise ValueError(f"--chart must be a .png file, got {chart}")
+        raise BuildError(f"--chart must be a .png file, got {chart}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_builds(out)
 
     base_src = resolve_source(base, base_revision, cache_dir, allow_patterns=BASE_DOWNLOAD_PATTERNS)
     adapter_src = resolve_source(adapter, adapter_revision, cache_dir) if adapter else None
     base_config = read_config(base_src.path)
     layout = detect_layout(base_config)
     target = DTYPES[dtype] if dtype else base_dtype(base_src.path, base_config)
+    updates = plan_merge(base_src.path, adapter_src.path) if adapter_src else None  # headers only: fails fast
     base_id = base_id or base_src.hub_id
     adapter_id = adapter_id or (adapter_src.hub_id if adapter_src else None)
     if base_id is None:
         logger.warning("the base is a local folder: pass --base-id so the card's base_model names it on the Hub")
     repo_id = repo_id or f"your-org/{out.name}"
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=out.parent))
+    (work / BUILD_PID_FILE).write_text(f"{os.getpid()}\n")  # a later build removes the folder once this pid is gone
     # The folder keeps the output's name, so the remote-code module transformers caches for it is named alike.
     folder = work / out.name
     folder.mkdir()
     try:
-        model = merge(base_src.path, adapter_src.path if adapter_src else None, layout)
-        kept = cast_once(model, target, base_src.path)
-        if kept:
-            logger.warning("kept %d tensors in float32 as the base stores them (%s, ...)", len(kept), kept[0])
-        save_weights(model, folder, max_shard_size)
-        carried = _carry_ignored_tensors(model, base_src.path, folder, target)
-        if carried:
-            logger.warning("kept %d base tensors the stock class ignores on load (%s, ...)", len(carried), carried[0])
-        del model
-        gc.collect()
-        write_config(folder, layout)
+        stats = merge_to_folder(base_src.path, adapter_src.path if adapter_src else None, folder, target,
+                                device=device, max_shard_size=max_shard_size, updates=updates)
+        if stats.kept_fp32:
+            logger.warning("kept %d tensors in float32 as the base stores them (%s, ...)", len(stats.kept_fp32),
+                           stats.kept_fp32[0])
+        write_config(base_src.path, folder, layout, target)
         copy_generation_config(base_src.path, folder)
         copy_code(folder)
         copied = copy_tokenizer(base_src.path, folder)
@@ -993,7 +1277,8 @@ def build_repo(base: str, out, adapter: str | None = None, *, dtype: str | None 
         card = render_model_card(
             repo_id=repo_id, layout=layout, base=base_src, adapter=adapter_src, base_id=base_id,
             adapter_id=adapter_id, dtype=target, license_meta=_base_license(base_src.path, base_config),
-            verification=result, has_processor="preprocessor_config.json" in copied, chart=chart_name, **tables)
+            verification=result, has_processor="preprocessor_config.json" in copied,
+            has_chat_template=_has_chat_template(folder), chart=chart_name, **tables)
         (folder / "README.md").write_text(card)
         if not result["passed"]:
             failed = out.with_name(out.name + ".failed")
@@ -1023,41 +1308,23 @@ def _replace(new: Path, dest: Path) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", help="base checkpoint: folder or Hub id (text-only or composite Qwen3.5)")
-    parser.add_argument("--adapter", help="PEFT LoRA adapter to merge: folder or Hub id")
-    parser.add_argument("--out", help="output folder (the future Hub repo)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="target dtype (default: the base's)")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --out (only once the new build "
-                        "is complete and verified)")
-    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE)
-    parser.add_argument("--repo-id", help="the Hub id the folder will be pushed to (for the card's usage code)")
-    parser.add_argument("--base-id", help="Hub id of a base given as a local folder (card front matter)")
-    parser.add_argument("--adapter-id", help="Hub id of an adapter given as a local folder (card)")
-    parser.add_argument("--base-revision", help="branch, tag or commit of a Hub base")
-    parser.add_argument("--adapter-revision", help="branch, tag or commit of a Hub adapter")
-    parser.add_argument("--cache-dir", help="Hugging Face cache folder (default: the usual one)")
-    parser.add_argument("--speed-table", help="markdown file with measured speed, put in the card")
-    parser.add_argument("--quality-table", help="markdown file with measured quality, put in the card")
-    parser.add_argument("--chart", help="PNG chart to ship and show in the card")
-    parser.add_argument("--device", default="cpu", help="device for verification (cpu or cuda)")
-    parser.add_argument("--verify", metavar="FOLDER", help="only re-verify a built folder (sources from its "
-                        "verification.json unless --base / --adapter are given)")
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-
-    if args.verify:
-        result = verify_repo(args.verify, args.base, args.adapter, device=args.device)
-        print(summary_line(result))
-        return 0 if result["passed"] else 1
-    if not args.base or not args.out:
-        parser.error("--base and --out are required (or --verify FOLDER)")
     try:
+        check_args(args)
+        if args.verify:
+            result = verify_repo(args.verify, args.base, args.adapter, device=args.device)
+            print(summary_line(result))
+            return 0 if result["passed"] else 1
         result = build_repo(
             args.base, args.out, args.adapter, dtype=args.dtype, force=args.force, max_shard_size=args.max_shard_size,
             repo_id=args.repo_id, base_id=args.base_id, adapter_id=args.adapter_id, base_revision=args.base_revision,
             adapter_revision=args.adapter_revision, cache_dir=args.cache_dir, speed_table=args.speed_table,
             quality_table=args.quality_table, chart=args.chart, device=args.device)
+    except (BuildError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except VerificationFailed as exc:
         print(str(exc), file=sys.stderr)
         return 1

@@ -8,6 +8,7 @@ the repo root.
 
 import importlib
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -33,6 +34,31 @@ REAL_COMMON = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                      "mrope_section": [11, 11, 10], "mrope_interleaved": True},
 )
+
+
+# The two files config.json's auto_map names; everything else the Hub needs is what they import relatively.
+ENTRY_FILES = ("configuration_qwen3_5_fused.py", "modeling_qwen3_5_fused.py")
+# transformers' `get_relative_imports`: `import .x` and `from .x import y` (`from . import x` is not followed).
+_RELATIVE_IMPORT = re.compile(r"^\s*import\s+\.(\S+)\s*$|^\s*from\s+\.(\S+)\s+import", re.MULTILINE)
+
+
+def code_files(repo_dir=REPO, entries=ENTRY_FILES) -> list[str]:
+    """The top-level ``*.py`` files a Hub repo needs: ``entries`` and every file they reach through relative imports,
+    recursively, found as transformers' ``get_relative_import_files`` finds them (so a split of a module into more
+    files needs no list to be updated). Raises ``FileNotFoundError`` naming the importer when a file is missing."""
+    repo_dir = Path(repo_dir)
+    found, todo = [], [(name, None) for name in entries]
+    while todo:
+        name, importer = todo.pop(0)
+        if name in found:
+            continue
+        path = repo_dir / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing" + (f" (imported by {importer})" if importer else ""))
+        found.append(name)
+        for match in _RELATIVE_IMPORT.finditer(path.read_text(encoding="utf-8")):
+            todo.append((f"{match[1] or match[2]}.py", name))
+    return sorted(found)
 
 
 def import_repo():

@@ -1,17 +1,23 @@
 """Push a folder built by scripts/build_repo.py to the Hugging Face Hub, in one commit, only once it is verified.
 
-    python scripts/push_to_hub.py out/my-model org/my-model --dry-run      # print the exact operations, call nothing
+    python scripts/push_to_hub.py out/my-model org/my-model --dry-run      # print the exact operations, write nothing
     python scripts/push_to_hub.py out/my-model org/my-model --private
     python scripts/push_to_hub.py out/my-model org/my-model --branch fused-v2   # created when missing
 
-- Only an allowlist is uploaded: the code files, config.json, generation_config.json, *.safetensors and their
+- Only an allowlist is uploaded: the code files (the two files ``auto_map`` names and what they import relatively,
+  see ``scripts.common.code_files``), config.json, generation_config.json, *.safetensors and their
   index, tokenizer / chat-template / processor files, README.md, verification.json, and PNG charts that README.md
   shows. Everything else (hidden files, folders, caches, tokens, stray files) is skipped and listed.
-- The push is refused when verification.json is missing or failed, or when a file it vouches for (weights, config,
-  code, tokenizer) was changed, added or removed since.
+- A push replaces: files of the Hub repo (at the branch) that the folder does not hold are deleted in the same
+  commit (``.gitattributes`` stays), so a sharded build pushed over a single-file one leaves no stale weights behind.
+  ``--dry-run`` lists those deletions (it reads the remote file list, and writes nothing).
+- The push is refused when verification.json is missing or failed, when a file it vouches for (weights, config,
+  code, tokenizer) was changed, added or removed since, and when the fused kernels were not verified (a build on a
+  machine without a CUDA GPU checks only the stock path) unless ``--allow-unverified-kernels`` is given.
+- verification.json is uploaded without local paths (a local source is named by its folder name).
 - The commit message carries the verification summary.
 - The token comes from huggingface_hub's usual sources (``HF_TOKEN``, ``hf auth login``); it is never an argument
-  and never printed.
+  and never printed, and it is checked before any file is hashed.
 """
 
 import argparse
@@ -23,8 +29,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-# the remote code: every top-level module of this repo
-CODE_FILES = tuple(sorted(p.name for p in Path(__file__).resolve().parents[1].glob("*.py")))
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from scripts.common import ENTRY_FILES, code_files  # noqa: E402
+
 CONFIG_FILES = ("config.json", "generation_config.json")
 WEIGHT_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -33,7 +43,9 @@ PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json",
 CARD_FILE = "README.md"
 VERIFICATION_FILE = "verification.json"
 # Without these a push makes no usable, checked repo.
-REQUIRED_FILES = CODE_FILES + ("config.json", CARD_FILE, VERIFICATION_FILE)
+REQUIRED_FILES = ENTRY_FILES + ("config.json", CARD_FILE, VERIFICATION_FILE)
+# Remote files a push never deletes.
+KEEP_REMOTE = (".gitattributes",)
 HASH_CHUNK = 1 << 24
 
 
@@ -41,16 +53,26 @@ class PushRefused(RuntimeError):
     """The folder may not be pushed (verification missing / failed / stale, or a required file absent)."""
 
 
-def _vouched(name: str) -> bool:
+def _code_files(folder) -> set[str]:
+    """The folder's code files (see ``scripts.common.code_files``); none when an entry file is missing (the push is
+    refused for that elsewhere) or an imported file is."""
+    try:
+        return set(code_files(folder))
+    except FileNotFoundError:
+        return {n for n in ENTRY_FILES if (Path(folder) / n).is_file()}
+
+
+def _vouched(name: str, code: set[str]) -> bool:
     """Files whose content verification.json vouches for (by hash)."""
-    return (name in CODE_FILES or name in CONFIG_FILES or name == WEIGHT_INDEX or name.endswith(".safetensors")
+    return (name in code or name in CONFIG_FILES or name == WEIGHT_INDEX or name.endswith(".safetensors")
             or name in TOKENIZER_FILES or name in PROCESSOR_FILES)
 
 
 def hashed_files(folder) -> list[str]:
     """The vouched-for files present in ``folder`` (README.md, verification.json and charts may change later)."""
+    code = _code_files(folder)
     return sorted(e.name for e in os.scandir(folder)
-                  if e.is_file(follow_symlinks=False) and not e.name.startswith(".") and _vouched(e.name))
+                  if e.is_file(follow_symlinks=False) and not e.name.startswith(".") and _vouched(e.name, code))
 
 
 def sha256_files(folder, names) -> dict[str, str]:
@@ -73,6 +95,7 @@ def select_files(folder) -> tuple[list[str], list[tuple[str, str]]]:
     """Split the top level of ``folder`` into (files to upload, [(skipped name, why)])."""
     folder = Path(folder)
     card = (folder / CARD_FILE).read_text() if (folder / CARD_FILE).is_file() else ""
+    code = _code_files(folder)
     upload, skipped = [], []
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
         name = entry.name
@@ -82,7 +105,7 @@ def select_files(folder) -> tuple[list[str], list[tuple[str, str]]]:
             skipped.append((name, "symbolic link"))
         elif entry.is_dir():
             skipped.append((name, "folder"))
-        elif _vouched(name) or name in (CARD_FILE, VERIFICATION_FILE):
+        elif _vouched(name, code) or name in (CARD_FILE, VERIFICATION_FILE):
             upload.append(name)
         elif name.lower().endswith(".png") and f"({name})" in card:
             upload.append(name)
@@ -93,10 +116,15 @@ def select_files(folder) -> tuple[list[str], list[tuple[str, str]]]:
     return upload, skipped
 
 
-def check_verification(folder) -> dict:
-    """The verification result of ``folder``, or ``PushRefused`` when it is missing, failed or stale."""
+def check_verification(folder, allow_unverified_kernels: bool = False) -> dict:
+    """The verification result of ``folder``, or ``PushRefused`` when it is missing, failed or stale, or when the
+    fused kernels were not verified and ``allow_unverified_kernels`` is not set."""
     folder = Path(folder)
     missing = [n for n in REQUIRED_FILES if not (folder / n).is_file()]
+    try:
+        code_files(folder)
+    except FileNotFoundError as exc:
+        missing.append(str(exc))
     if VERIFICATION_FILE in missing:
         raise PushRefused(f"{folder} has no {VERIFICATION_FILE}: build it with scripts/build_repo.py (or re-check it "
                           "with `build_repo.py --verify`) first")
@@ -106,6 +134,10 @@ def check_verification(folder) -> dict:
     if result.get("passed") is not True:
         raise PushRefused(f"verification failed ({', '.join(result.get('failed') or ['?'])}): "
                           f"{summary_line(result) if 'checks' in result else result}")
+    if result.get("fused_kernels_verified") is not True and not allow_unverified_kernels:
+        raise PushRefused(f"the fused kernels of {folder} were not verified (built on {result.get('device', '?')}: "
+                          "only the stock path ran); re-verify on a GPU (`build_repo.py --verify FOLDER --device "
+                          "cuda`) or pass --allow-unverified-kernels to push it as it is")
     recorded = result.get("files") or {}
     present = hashed_files(folder)
     if not any(n.endswith(".safetensors") for n in recorded):
@@ -132,9 +164,13 @@ def summary_line(result: dict) -> str:
     checks = result["checks"]
     ref, fvs, greedy = checks["vs_reference"], checks["fused_vs_stock"], checks["greedy"]
     status = "passed" if result["passed"] else "FAILED (" + ", ".join(result["failed"]) + ")"
+    if result.get("fused_kernels_verified"):
+        kernels = (f"fused vs stock {fmt_err(fvs['rel_err'])} (bound {fvs['bound']:.0e}); greedy "
+                   f"{greedy['new_tokens']} tokens {'equal' if greedy['passed'] else 'DIFFER'}")
+    else:
+        kernels = "fused kernels NOT verified (only the stock path ran)"
     return (f"verification {status}: logits vs {ref['reference']} rel err {fmt_err(ref['rel_err'])} "
-            f"(bound {fmt_err(ref['bound'])}); fused vs stock {fmt_err(fvs['rel_err'])} (bound {fvs['bound']:.0e}); "
-            f"greedy {greedy['new_tokens']} tokens {'equal' if greedy['passed'] else 'DIFFER'}; "
+            f"(bound {fmt_err(ref['bound'])}); {kernels}; "
             f"{result['dtype']}, {result['device']}, transformers {result['versions']['transformers']}")
 
 
@@ -143,8 +179,9 @@ def commit_text(folder, result: dict) -> tuple[str, str]:
     name = Path(folder).name
     ref = result["checks"]["vs_reference"]
     message = (f"Upload {name} ({result['layout']}, {result['dtype']}): verified, logits rel err "
-               f"{fmt_err(ref['rel_err'])} <= {fmt_err(ref['bound'])}, greedy {result['checks']['greedy']['new_tokens']} "
-               "tokens equal")
+               f"{fmt_err(ref['rel_err'])} <= {fmt_err(ref['bound'])}, "
+               + (f"greedy {result['checks']['greedy']['new_tokens']} tokens equal"
+                  if result.get("fused_kernels_verified") else "fused kernels not verified"))
     versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items() if v)
     sources = result["sources"]
     lines = [summary_line(result), "", f"verified {result['timestamp']} on {result['device']} ({versions})",
@@ -159,23 +196,81 @@ def commit_text(folder, result: dict) -> tuple[str, str]:
 def _source_text(source: dict) -> str:
     if source.get("hub_id"):
         return source["hub_id"] + (f"@{source['revision']}" if source.get("revision") else "")
-    return Path(source["path"]).name
+    return f"local folder {Path(source['path']).name}"
 
 
-def push(folder, repo_id: str, *, private: bool = False, branch: str | None = None, dry_run: bool = False) -> dict:
-    """Check ``folder`` and upload its allowlisted files to ``repo_id`` in one commit; returns the plan (and, when
-    not a dry run, the commit url). ``branch`` (default main) is created from main when missing."""
+def public_verification(result: dict) -> dict:
+    """``result`` as it may be uploaded: a local source is named by its folder name, not its path, and no string
+    holds that path anywhere else (a load error, say)."""
+    paths = {}
+    sources = {}
+    for role, source in result.get("sources", {}).items():
+        if source and source.get("path"):
+            name = Path(source["path"]).name
+            paths[source["path"]] = name
+            sources[role] = {"path": name, "local": True}
+        else:
+            sources[role] = source
+
+    def scrub(value):
+        if isinstance(value, dict):
+            return {k: scrub(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [scrub(v) for v in value]
+        if isinstance(value, str):
+            for path, name in sorted(paths.items(), key=lambda item: -len(item[0])):
+                value = value.replace(path, name)
+        return value
+
+    return {**scrub(result), "sources": sources}
+
+
+def remote_files(api, repo_id: str, revision: str | None) -> list[str]:
+    """The files of ``repo_id`` at ``revision`` (a branch not yet there: main, which it will be created from); none
+    for a repo not yet there."""
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        return api.list_repo_files(repo_id, revision=revision, repo_type="model")
+    except RevisionNotFoundError:
+        return api.list_repo_files(repo_id, repo_type="model")
+    except RepositoryNotFoundError:
+        return []
+
+
+def require_token() -> None:
+    """``PushRefused`` when huggingface_hub finds no token (``HF_TOKEN``, ``hf auth login``); read locally, sent
+    nowhere."""
+    from huggingface_hub import get_token
+
+    if not get_token():
+        raise PushRefused("no Hugging Face token: set HF_TOKEN or run `hf auth login`, then push again")
+
+
+def push(folder, repo_id: str, *, private: bool = False, branch: str | None = None, dry_run: bool = False,
+         allow_unverified_kernels: bool = False) -> dict:
+    """Check ``folder`` and make ``repo_id`` (at ``branch``, default main, created from main when missing) hold
+    exactly its allowlisted files, in one commit: uploads, plus deletions of remote files the folder does not hold.
+    Returns the plan (and, when not a dry run, the commit url). The token is checked first (not for a dry run)."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+
     folder = Path(folder)
+    if not folder.is_dir():
+        raise PushRefused(f"{folder} is not a folder: pass the --out folder of scripts/build_repo.py")
+    if not dry_run:
+        require_token()
     upload, skipped = select_files(folder)
-    result = check_verification(folder)
+    result = check_verification(folder, allow_unverified_kernels)
     message, description = commit_text(folder, result)
     revision = branch if branch and branch != "main" else None
+    api = HfApi()  # token: HF_TOKEN or the stored login, as huggingface_hub resolves it
+    delete = sorted(set(remote_files(api, repo_id, revision)) - set(upload) - set(KEEP_REMOTE))
     plan = {
         "create_repo": {"repo_id": repo_id, "repo_type": "model", "private": private, "exist_ok": True},
         "create_branch": {"repo_id": repo_id, "repo_type": "model", "branch": revision, "exist_ok": True}
         if revision else None,
         "create_commit": {"repo_id": repo_id, "repo_type": "model", "revision": revision, "commit_message": message,
-                          "commit_description": description, "operations": upload},
+                          "commit_description": description, "operations": upload, "deletions": delete},
         "skipped": skipped,
     }
     _print_plan(folder, plan)
@@ -183,14 +278,14 @@ def push(folder, repo_id: str, *, private: bool = False, branch: str | None = No
         print("dry run: nothing was sent")
         return plan
 
-    from huggingface_hub import CommitOperationAdd, HfApi
-
-    api = HfApi()  # token: HF_TOKEN or the stored login, as huggingface_hub resolves it
     api.create_repo(**plan["create_repo"])
     if revision:
         api.create_branch(**plan["create_branch"])
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in upload]
-    commit = {k: v for k, v in plan["create_commit"].items() if k != "operations"}
+    public = json.dumps(public_verification(result), indent=2).encode() + b"\n"
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=public if name == VERIFICATION_FILE
+                                     else str(folder / name)) for name in upload]
+    operations += [CommitOperationDelete(path_in_repo=name) for name in delete]
+    commit = {k: v for k, v in plan["create_commit"].items() if k not in ("operations", "deletions")}
     info = api.create_commit(operations=operations, **commit)
     plan["commit_url"] = getattr(info, "commit_url", None)
     print(f"pushed: {plan['commit_url']}")
@@ -198,14 +293,17 @@ def push(folder, repo_id: str, *, private: bool = False, branch: str | None = No
 
 
 def _print_plan(folder: Path, plan: dict) -> None:
-    fmt = lambda call: ", ".join(f"{k}={v!r}" for k, v in call.items() if k not in ("operations",
-                                                                                   "commit_description"))
+    fmt = lambda call: ", ".join(f"{k}={v!r}" for k, v in call.items()
+                                 if k not in ("operations", "deletions", "commit_description"))
     print(f"create_repo({fmt(plan['create_repo'])})")
     if plan["create_branch"]:
         print(f"create_branch({fmt(plan['create_branch'])})")
-    print(f"create_commit({fmt(plan['create_commit'])}) with {len(plan['create_commit']['operations'])} operations:")
-    for name in plan["create_commit"]["operations"]:
+    commit = plan["create_commit"]
+    print(f"create_commit({fmt(commit)}) with {len(commit['operations']) + len(commit['deletions'])} operations:")
+    for name in commit["operations"]:
         print(f"  CommitOperationAdd(path_in_repo={name!r})  {(folder / name).stat().st_size:,} bytes")
+    for name in commit["deletions"]:
+        print(f"  CommitOperationDelete(path_in_repo={name!r})  on the Hub, not in this build")
     print("commit description:\n  " + plan["create_commit"]["commit_description"].replace("\n", "\n  "))
     if plan["skipped"]:
         print("skipped: " + ", ".join(f"{name} ({why})" for name, why in plan["skipped"]))
@@ -218,12 +316,21 @@ def main(argv=None):
     parser.add_argument("--private", action="store_true", help="create the repo private")
     parser.add_argument("--branch", "--revision", dest="branch", help="branch to commit to (created from main when "
                         "missing; default main)")
-    parser.add_argument("--dry-run", action="store_true", help="print the exact operations and call nothing")
+    parser.add_argument("--dry-run", action="store_true", help="print the exact operations (uploads and deletions; "
+                        "reads the remote file list) and write nothing")
+    parser.add_argument("--allow-unverified-kernels", action="store_true", help="push a folder whose fused kernels "
+                        "were not verified (built without a CUDA GPU: only the stock path was checked)")
     args = parser.parse_args(argv)
+    from huggingface_hub.errors import HfHubHTTPError
+
     try:
-        push(args.folder, args.repo_id, private=args.private, branch=args.branch, dry_run=args.dry_run)
+        push(args.folder, args.repo_id, private=args.private, branch=args.branch, dry_run=args.dry_run,
+             allow_unverified_kernels=args.allow_unverified_kernels)
     except PushRefused as exc:
         print(f"refused: {exc}", file=sys.stderr)
+        return 1
+    except (HfHubHTTPError, OSError) as exc:  # the Hub said no, or was not reached: one line, no traceback
+        print(f"push failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
         return 1
     return 0
 

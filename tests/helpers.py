@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.common import import_repo, repo_module, tiny_text_kwargs, tiny_vision_kwargs
+from scripts.common import code_files, import_repo, repo_module, tiny_text_kwargs, tiny_vision_kwargs
 
 configuration, modeling, fused_ops = import_repo()
 compat = repo_module("fused_compat")
@@ -173,7 +173,7 @@ def padded_batch(batch: int, seq_len: int, padding: str | None, vocab: int = 256
     return ids, mask
 
 
-CODE_FILES = tuple(sorted(p.name for p in REPO.glob("*.py")))  # every top-level module is remote code
+CODE_FILES = tuple(code_files())  # the remote code: the entry files and what they import
 AUTO_MAP_TEXT = configuration.AUTO_MAP_TEXT
 AUTO_MAP_COMPOSITE = configuration.AUTO_MAP_COMPOSITE
 
