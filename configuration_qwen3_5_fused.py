@@ -91,6 +91,21 @@ def resolve_switches(config) -> dict[str, bool]:
     return {name: resolve_switch(config, name) for name in SWITCHES}
 
 
+def stock_architectures(names) -> list[str] | None:
+    """The stock class names for ``architectures`` (``Qwen3_5FusedForCausalLM`` -> ``Qwen3_5ForCausalLM``, ...): a
+    saved repo names the classes stock transformers, vLLM and SGLang know; ``auto_map`` names ours."""
+    if names is None:
+        return None
+    return [name.replace("Qwen3_5Fused", "Qwen3_5").removesuffix("Loader") for name in names]
+
+
+def _prepare_save(config, auto_map: dict) -> None:
+    """Before a save: stock ``architectures``, and ``auto_map`` pointing at this repo's classes (entries for other
+    Auto classes the user added are kept)."""
+    config.architectures = stock_architectures(getattr(config, "architectures", None))
+    config.auto_map = {**(getattr(config, "auto_map", None) or {}), **auto_map}
+
+
 def _validate(config) -> None:
     for name in SWITCHES:
         check_switch(name, getattr(config, name), allow_unset=True)
@@ -100,9 +115,14 @@ class Qwen3_5FusedTextConfig(Qwen3_5TextConfig):
     """Stock ``Qwen3_5TextConfig`` plus the ``fused_kernels`` and ``cuda_graphs`` switches."""
 
     model_type = "qwen3_5_text"
+    _auto_class = "AutoConfig"  # saving copies this file (and what it imports) next to config.json
 
     fused_kernels: bool | None = None
     cuda_graphs: bool | None = True
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        _prepare_save(self, AUTO_MAP_TEXT)
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -130,9 +150,15 @@ class Qwen3_5FusedConfig(Qwen3_5Config):
     fused_kernels: bool | None = None
     cuda_graphs: bool | None = True
 
+    _auto_class = "AutoConfig"
+
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         _validate(self)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        _prepare_save(self, AUTO_MAP_COMPOSITE)
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
 
 __all__ = ["Qwen3_5FusedConfig", "Qwen3_5FusedTextConfig", "AUTO_MAP_TEXT", "AUTO_MAP_COMPOSITE"]

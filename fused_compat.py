@@ -15,7 +15,6 @@ The fused classes subclass stock Qwen3.5 (public API). Three things are not publ
 """
 
 import contextlib
-import functools
 import inspect
 import threading
 
@@ -176,11 +175,15 @@ _route_users = 0
 _route_saved: dict = {}
 
 
-def stock_uses_triton_helpers() -> bool:
-    """Whether stock's DeltaNet helpers are fla / causal-conv1d kernels (which CPU tensors crash)."""
+def _stock_uses_triton_helpers() -> bool:
     return any(
         inspect.unwrap(getattr(stock, n)) is not getattr(stock, n) for n in _STOCK_KERNEL_FNS if hasattr(stock, n)
     )
+
+
+# Whether stock's DeltaNet helpers are fla / causal-conv1d kernels (which CPU tensors crash), read once at import,
+# before any routing below swaps them (a check made while another thread has them swapped would read "no").
+STOCK_USES_TRITON_HELPERS = _stock_uses_triton_helpers()
 
 
 @contextlib.contextmanager
@@ -213,20 +216,7 @@ def torch_reference_kernels():
 def stock_call(fn, hidden_states, *args, **kwargs):
     """``fn(hidden_states, *args, **kwargs)`` (a stock forward), through :func:`torch_reference_kernels` when the
     tensors are off CUDA and stock would send them into fla's kernels."""
-    if hidden_states.device.type != "cuda" and stock_uses_triton_helpers():
+    if hidden_states.device.type != "cuda" and STOCK_USES_TRITON_HELPERS:
         with torch_reference_kernels():
             return fn(hidden_states, *args, **kwargs)
     return fn(hidden_states, *args, **kwargs)
-
-
-def routed(fn):
-    """Decorate a model-level stock entry point so CPU calls run stock's torch DeltaNet helpers (see above)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if stock_uses_triton_helpers():
-            with torch_reference_kernels():
-                return fn(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return wrapper

@@ -176,7 +176,8 @@ class FusedPlan:
         if reason is None:
             return True
         if self.fused_kernels:
-            announce(reason, f"Qwen3.5 fused kernels: {kind} runs the stock transformers code because {reason}.")
+            who = "the model runs" if reason == self.reason else f"{kind} runs"
+            announce(reason, f"Qwen3.5 fused kernels: {who} the stock transformers code because {reason}.")
         return False
 
     def fallback(self, kind: str, reason: str) -> None:

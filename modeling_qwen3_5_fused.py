@@ -24,7 +24,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5TextModel,
     Qwen3_5TextRotaryEmbedding,
 )
-from transformers import AutoModel
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from .configuration_qwen3_5_fused import (
     SWITCHES,
@@ -81,7 +81,13 @@ def _sync_switches(config) -> None:
 
 
 class _FusedPreTrainedMixin:
-    """Shared by the public classes: load-time switches, the generate hooks, ``set_fused_kernels``, ``describe()``."""
+    """Shared by the public classes: load-time switches, the generate hooks, ``set_fused_kernels``, ``describe()``.
+
+    Saving: each class names the Auto class it serves (``_auto_class``), so ``save_pretrained`` copies every code
+    file next to the weights, as transformers does for remote code; the config writes stock ``architectures`` and
+    the full ``auto_map`` (``configuration_qwen3_5_fused``). The saved folder loads fused with
+    ``trust_remote_code=True`` and as a stock checkpoint without it.
+    """
 
     # accelerate keeps modules whole by class *name*: without `FusedDecoderLayer`, `device_map="auto"` could cut a
     # layer between GPUs, even between the views of one packed matrix.
@@ -276,6 +282,7 @@ class Qwen3_5FusedTextModel(_FusedPreTrainedMixin, Qwen3_5TextModel):
     """The text backbone, built from the fused layers (stock's ``__init__`` with the fused classes)."""
 
     config_class = Qwen3_5FusedTextConfig
+    _auto_class = "AutoModel"
 
     def __init__(self, config):
         check_model_type(config)
@@ -334,6 +341,7 @@ class Qwen3_5FusedTextModel(_FusedPreTrainedMixin, Qwen3_5TextModel):
 
 class Qwen3_5FusedForCausalLM(_FusedPreTrainedMixin, Qwen3_5ForCausalLM):
     config_class = Qwen3_5FusedTextConfig
+    _auto_class = "AutoModelForCausalLM"
 
     def __init__(self, config):
         check_model_type(config)
@@ -385,6 +393,7 @@ class Qwen3_5FusedForCausalLMLoader(Qwen3_5FusedForCausalLM):
 
 class Qwen3_5FusedModel(_FusedPreTrainedMixin, Qwen3_5Model):
     config_class = Qwen3_5FusedConfig
+    _auto_class = "AutoModel"
 
     def __init__(self, config):
         check_model_type(config)
@@ -401,6 +410,7 @@ class Qwen3_5FusedModel(_FusedPreTrainedMixin, Qwen3_5Model):
 
 class Qwen3_5FusedForConditionalGeneration(_FusedPreTrainedMixin, Qwen3_5ForConditionalGeneration):
     config_class = Qwen3_5FusedConfig
+    _auto_class = "AutoModelForImageTextToText"
 
     def __init__(self, config):
         check_model_type(config)
@@ -424,7 +434,11 @@ __all__ = [
     "Qwen3_5FusedForConditionalGeneration",
 ]
 
-# Stock code that builds a text backbone from a fused text config (stock's composite `__init__` calls
-# `AutoModel.from_config(config.text_config)`) gets the fused backbone, as remote loading registers its classes.
-# Registered by config class, not model type: stock `qwen3_5_text` configs keep the stock class.
+# Registered with the Auto classes as remote loading registers them, by config class (stock `qwen3_5*` configs keep the
+# stock classes): stock code that builds a backbone from a fused config (the composite's
+# `AutoModel.from_config(config.text_config)`) gets the fused one, and `pipeline("text-generation")` recognises the
+# fused causal LM as a causal LM.
 AutoModel.register(Qwen3_5FusedTextConfig, Qwen3_5FusedTextModel, exist_ok=True)
+AutoModel.register(Qwen3_5FusedConfig, Qwen3_5FusedModel, exist_ok=True)
+AutoModelForCausalLM.register(Qwen3_5FusedTextConfig, Qwen3_5FusedForCausalLM, exist_ok=True)
+AutoModelForImageTextToText.register(Qwen3_5FusedConfig, Qwen3_5FusedForConditionalGeneration, exist_ok=True)
