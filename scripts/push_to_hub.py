@@ -8,9 +8,13 @@
   see ``scripts.common.code_files``), config.json, generation_config.json, *.safetensors and their
   index, tokenizer / chat-template / processor files, README.md, verification.json, and PNG charts that README.md
   shows. Everything else (hidden files, folders, caches, tokens, stray files) is skipped and listed.
-- A push replaces: files of the Hub repo (at the branch) that the folder does not hold are deleted in the same
-  commit (``.gitattributes`` stays), so a sharded build pushed over a single-file one leaves no stale weights behind.
-  ``--dry-run`` lists those deletions (it reads the remote file list, and writes nothing).
+- A push replaces what builds write, and keeps everything else: a top-level file of the Hub repo (at the branch) of a
+  kind a build writes (weights ``*.safetensors`` / ``*.bin`` / ``*.pt`` / ``*.pth`` and their ``*.index.json``,
+  ``*.py``, config.json, generation_config.json, tokenizer / chat-template / processor files, README.md,
+  verification.json) that this build does not hold is deleted in the same commit, so a sharded build pushed over a
+  single-file one (or over another sharding) leaves no stale weights behind. Every other remote file (a LICENSE,
+  images, notebooks, anything in a folder, ``.gitattributes``, GGUF conversions) is kept, and listed as kept.
+  ``--dry-run`` lists the deletions and the kept files (it reads the remote file list, and writes nothing).
 - The push is refused when verification.json is missing or failed, when a file it vouches for (weights, config,
   code, tokenizer) was changed, added or removed since, and when the fused kernels were not verified (a build on a
   machine without a CUDA GPU checks only the stock path) unless ``--allow-unverified-kernels`` is given.
@@ -44,8 +48,10 @@ CARD_FILE = "README.md"
 VERIFICATION_FILE = "verification.json"
 # Without these a push makes no usable, checked repo.
 REQUIRED_FILES = ENTRY_FILES + ("config.json", CARD_FILE, VERIFICATION_FILE)
-# Remote files a push never deletes.
-KEEP_REMOTE = (".gitattributes",)
+# Weight files a build (or an older tool) may have written; with their index (``<name>.index.json``). GGUF files are
+# not among them: builds never write one, so a GGUF on the Hub is a user's conversion, and transformers does not load
+# it in place of the safetensors.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 HASH_CHUNK = 1 << 24
 
 
@@ -225,6 +231,25 @@ def public_verification(result: dict) -> dict:
     return {**scrub(result), "sources": sources}
 
 
+def written_by_builds(name: str) -> bool:
+    """Whether a remote file (path in the repo) is of a kind a build writes, so that a push may delete it when the
+    build no longer holds it: top-level weights and their index, code (``*.py``), configs, tokenizer / chat-template /
+    processor files, the card and verification.json. Everything else on the Hub is the user's and is kept."""
+    if "/" in name:
+        return False
+    lower = name.lower()
+    return (lower.endswith(WEIGHT_SUFFIXES) or lower.endswith(tuple(s + ".index.json" for s in WEIGHT_SUFFIXES))
+            or lower.endswith(".py") or name in CONFIG_FILES or name in TOKENIZER_FILES or name in PROCESSOR_FILES
+            or name in (CARD_FILE, VERIFICATION_FILE))
+
+
+def remote_plan(remote: list[str], upload: list[str]) -> tuple[list[str], list[str]]:
+    """(remote files to delete, remote files kept): of the remote files this build does not upload, those of a kind
+    builds write are deleted and all others are kept."""
+    stale = sorted(set(remote) - set(upload))
+    return [n for n in stale if written_by_builds(n)], [n for n in stale if not written_by_builds(n)]
+
+
 def remote_files(api, repo_id: str, revision: str | None) -> list[str]:
     """The files of ``repo_id`` at ``revision`` (a branch not yet there: main, which it will be created from); none
     for a repo not yet there."""
@@ -249,9 +274,10 @@ def require_token() -> None:
 
 def push(folder, repo_id: str, *, private: bool = False, branch: str | None = None, dry_run: bool = False,
          allow_unverified_kernels: bool = False) -> dict:
-    """Check ``folder`` and make ``repo_id`` (at ``branch``, default main, created from main when missing) hold
-    exactly its allowlisted files, in one commit: uploads, plus deletions of remote files the folder does not hold.
-    Returns the plan (and, when not a dry run, the commit url). The token is checked first (not for a dry run)."""
+    """Check ``folder`` and upload its allowlisted files to ``repo_id`` (at ``branch``, default main, created from main
+    when missing) in one commit, which also deletes the remote files of the kinds builds write that the folder does
+    not hold (see :func:`remote_plan`); other remote files are kept (``plan["kept"]``). Returns the plan (and, when
+    not a dry run, the commit url). The token is checked first (not for a dry run)."""
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
     folder = Path(folder)
@@ -264,13 +290,14 @@ def push(folder, repo_id: str, *, private: bool = False, branch: str | None = No
     message, description = commit_text(folder, result)
     revision = branch if branch and branch != "main" else None
     api = HfApi()  # token: HF_TOKEN or the stored login, as huggingface_hub resolves it
-    delete = sorted(set(remote_files(api, repo_id, revision)) - set(upload) - set(KEEP_REMOTE))
+    delete, kept = remote_plan(remote_files(api, repo_id, revision), upload)
     plan = {
         "create_repo": {"repo_id": repo_id, "repo_type": "model", "private": private, "exist_ok": True},
         "create_branch": {"repo_id": repo_id, "repo_type": "model", "branch": revision, "exist_ok": True}
         if revision else None,
         "create_commit": {"repo_id": repo_id, "repo_type": "model", "revision": revision, "commit_message": message,
                           "commit_description": description, "operations": upload, "deletions": delete},
+        "kept": kept,
         "skipped": skipped,
     }
     _print_plan(folder, plan)
@@ -305,6 +332,8 @@ def _print_plan(folder: Path, plan: dict) -> None:
     for name in commit["deletions"]:
         print(f"  CommitOperationDelete(path_in_repo={name!r})  on the Hub, not in this build")
     print("commit description:\n  " + plan["create_commit"]["commit_description"].replace("\n", "\n  "))
+    if plan["kept"]:
+        print("kept (not written by builds): " + ", ".join(plan["kept"]))
     if plan["skipped"]:
         print("skipped: " + ", ".join(f"{name} ({why})" for name, why in plan["skipped"]))
 
@@ -316,8 +345,8 @@ def main(argv=None):
     parser.add_argument("--private", action="store_true", help="create the repo private")
     parser.add_argument("--branch", "--revision", dest="branch", help="branch to commit to (created from main when "
                         "missing; default main)")
-    parser.add_argument("--dry-run", action="store_true", help="print the exact operations (uploads and deletions; "
-                        "reads the remote file list) and write nothing")
+    parser.add_argument("--dry-run", action="store_true", help="print the exact operations (uploads, deletions) and "
+                        "the remote files kept; reads the remote file list, writes nothing")
     parser.add_argument("--allow-unverified-kernels", action="store_true", help="push a folder whose fused kernels "
                         "were not verified (built without a CUDA GPU: only the stock path was checked)")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
-"""scripts/push_to_hub.py on small hand-made folders (no model is built): a push replaces what the Hub repo held,
-refuses unverified fused kernels unless told, uploads no local path, checks the token before any hashing and reports
-Hub errors in one line; and scripts.common.code_files, which decides which code files a repo ships. The Hub is a fake
-HfApi that records the calls: tests never reach the network."""
+"""scripts/push_to_hub.py on small hand-made folders (no model is built): a push replaces the files an older build
+left on the Hub and keeps the user's own, refuses unverified fused kernels unless told, uploads no local path, checks
+the token before any hashing and reports Hub errors in one line; and scripts.common.code_files, which decides which
+code files a repo ships. The Hub is a fake HfApi that records the calls: tests never reach the network."""
 
 import json
 import shutil
@@ -87,29 +87,54 @@ def token(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")
 
 
-def test_push_deletes_remote_files_the_build_lacks(tmp_path, monkeypatch, capsys, token):
-    """A sharded build pushed over a single-file one: the old model.safetensors (which transformers would load
-    before the index) and a stale chart are deleted in the same commit; .gitattributes stays."""
-    folder = verified_folder(tmp_path)
-    remote = [".gitattributes", "README.md", "config.json", "model.safetensors", "old-chart.png", *CODE_FILES]
+# What the Hub repo holds before the push: files of an older build (a single-file checkpoint, an older sharding, a
+# .bin, a code module since removed, a tokenizer and generation config this build lacks), and the user's own files.
+STALE_BUILD_FILES = ["generation_config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                     "model.safetensors", "old_module.py", "pytorch_model.bin", "tokenizer.json"]
+USER_FILES = [".gitattributes", "LICENSE", "demo.ipynb", "images/diagram.png", "model-q4_k_m.gguf", "notes/extra.md",
+              "notes/weights.safetensors", "old-chart.png"]
+
+
+def test_push_deletes_stale_build_files_and_keeps_the_users(tmp_path, monkeypatch, capsys, token):
+    """A 3-shard build pushed over a single-file one and a 2-shard one: the old model.safetensors (which transformers
+    would load before the index), the old shards and the other files of kinds a build writes are deleted in the same
+    commit; the user's files (a LICENSE, notes, images, a notebook, a GGUF, anything in a folder, .gitattributes) are
+    kept and listed, in the dry run and in the plan."""
+    folder = verified_folder(tmp_path, shards=3)
+    remote = ["README.md", "config.json", "model.safetensors.index.json", "model-00001-of-00003.safetensors",
+              *CODE_FILES, *STALE_BUILD_FILES, *USER_FILES]
     hub = FakeHub(monkeypatch, remote=remote, writes=False)
     assert push_to_hub.main([str(folder), "test-org/tiny-fused", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "CommitOperationDelete(path_in_repo='model.safetensors')" in out
-    assert "CommitOperationDelete(path_in_repo='old-chart.png')" in out
-    assert "CommitOperationDelete(path_in_repo='.gitattributes')" not in out
-    assert "CommitOperationDelete(path_in_repo='README.md')" not in out
+    for name in STALE_BUILD_FILES:
+        assert f"CommitOperationDelete(path_in_repo={name!r})" in out, name
+    for name in USER_FILES + ["README.md", "config.json", "model.safetensors.index.json"]:
+        assert f"CommitOperationDelete(path_in_repo={name!r})" not in out, name
+    (kept_line,) = [line for line in out.splitlines() if line.startswith("kept (not written by builds): ")]
+    assert kept_line.split(": ", 1)[1].split(", ") == sorted(USER_FILES)
 
     hub = FakeHub(monkeypatch, remote=remote)
     plan = push_to_hub.push(folder, "test-org/tiny-fused")
-    assert plan["create_commit"]["deletions"] == ["model.safetensors", "old-chart.png"]
+    assert plan["create_commit"]["deletions"] == sorted(STALE_BUILD_FILES)
+    assert plan["kept"] == sorted(USER_FILES)
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
-    ops = hub.commit_operations()
-    assert sorted(op.path_in_repo for op in ops if isinstance(op, CommitOperationDelete)) == \
-        ["model.safetensors", "old-chart.png"]
+    ops = hub.commit_operations()  # one commit holds the uploads and the deletions
+    assert sorted(op.path_in_repo for op in ops if isinstance(op, CommitOperationDelete)) == sorted(STALE_BUILD_FILES)
     assert {op.path_in_repo for op in ops if isinstance(op, CommitOperationAdd)} == \
         {p.name for p in folder.iterdir()}
+
+
+def test_push_single_file_over_sharded_deletes_shards_and_index(tmp_path, monkeypatch, token):
+    folder = verified_folder(tmp_path, shards=1)
+    remote = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+              "pytorch_model.bin.index.json", "LICENSE", *CODE_FILES]
+    FakeHub(monkeypatch, remote=remote)
+    plan = push_to_hub.push(folder, "test-org/tiny-fused")
+    assert plan["create_commit"]["deletions"] == ["model-00001-of-00002.safetensors",
+                                                  "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+                                                  "pytorch_model.bin.index.json"]
+    assert plan["kept"] == ["LICENSE"]
 
 
 def test_push_to_a_new_repo_deletes_nothing(tmp_path, monkeypatch, token):
