@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.common import import_repo, real_text_kwargs, tiny_text_kwargs, write_report  # noqa: E402
+from scripts.common import import_repo, real_text_kwargs, repo_module, tiny_text_kwargs, write_report  # noqa: E402
 
 
 def stock_cpu_guard(device):
     """Stock Qwen3.5 + fla sends CPU tensors to fla's Triton kernels (a crash); on CPU route them to torch."""
     if device.type != "cpu":
         return contextlib.nullcontext()
-    return import_repo()[1]._torch_reference_kernels()
+    return repo_module("fused_compat").torch_reference_kernels()
 
 
 def log(msg: str) -> None:

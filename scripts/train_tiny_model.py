@@ -84,7 +84,9 @@ def torch_linear_attention():
     installed; those are Triton/CUDA kernels and fail on CPU tensors. The repo's modeling file has the context
     manager that routes them back to torch (its CPU fallback uses it); this is that one.
     """
-    return _repo_modules()[1]._torch_reference_kernels()
+    from scripts.common import repo_module
+
+    return repo_module("fused_compat").torch_reference_kernels()
 
 
 def _repo_modules():

@@ -191,7 +191,7 @@ def test_failed_capture_leaves_random_ops_usable(caplog):
     capture_end raises before it takes the generator out of capture mode, and without the reset every later random
     op on the device fails, sampling included. Same seed, same numbers as a process in which nothing failed."""
     _, fused = _pair(torch.bfloat16)
-    text_model = fused._text_model()
+    text_model = fused.model
     torch.cuda.manual_seed(7)
     want = torch.rand(5, device="cuda")
     torch.cuda.manual_seed(7)

@@ -29,8 +29,8 @@ def _captured(model, ids, calls=3):
 
 
 def _entry(model, batch, seq_len):
-    for key, entry in model.model._forward_graphs.items():  # (path, batch, length, dtype, device)
-        if key[0] == ("right", False) and key[1:3] == (batch, graphs.forward_len_bucket(seq_len)):
+    for key, entry in model.model.runner.forward_graphs.items():  # (path, inputs_embeds, batch, length)
+        if key[:2] == ("right", False) and key[2:] == (batch, graphs.forward_len_bucket(seq_len)):
             return entry
     raise AssertionError("no forward graph for this bucket")
 
@@ -87,14 +87,14 @@ def test_graph_memory_is_freed_on_release_and_move():
     held = torch.cuda.memory_reserved()  # weights + the graph's pool (the eager calls' blocks were just released)
     fused.set_fused_kernels(True)  # a switch refresh frees the graphs, weights stay on the GPU
     torch.cuda.empty_cache()
-    assert not fused.model._forward_graphs
+    assert not fused.model.runner.forward_graphs.entries
     assert torch.cuda.memory_reserved() < held
     with torch.inference_mode():
         for _ in range(2):
             fused(input_ids=ids, use_cache=False)
-    assert fused.model._forward_graphs
+    assert fused.model.runner.forward_graphs.entries
     fused.to("cpu")
-    assert not fused.model._forward_graphs
+    assert not fused.model.runner.forward_graphs.entries
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -118,7 +118,7 @@ def test_masked_replay_matches_stock(dtype, seq_len, kind):
     with torch.inference_mode():
         ref = stock(input_ids=ids, **kwargs)
         outs = [fused(input_ids=ids, **kwargs) for _ in range(3)]
-        (entry,) = [e for k, e in fused.model._forward_graphs.items() if not isinstance(k[0], tuple)]
+        (entry,) = [e for k, e in fused.model.runner.forward_graphs.items() if k[0] != "right"]
         assert entry.graph, "the bucket was not captured"
         if "no-cache" not in kind:
             step_mask = None if "attention_mask" not in kwargs else torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
