@@ -52,7 +52,7 @@ def _stage(root: Path) -> Path:
 
 def _run(stage: Path, out: Path, plugins: list[str]) -> dict:
     """Run the upstream Qwen3.5 test file with `plugins`; returns {"outcomes": {test id: (outcome, first line)},
-    "tail": the end of its output, "substitutions": what fused_substitute reported (when loaded)}."""
+    "tail": the end of its output, "timed_out", "substitutions": what fused_substitute reported (when loaded)}."""
     junit, report = out.with_suffix(".xml"), out.with_suffix(".json")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_ADDOPTS")}
     # TRITON_INTERPRET is set by the repo's conftest for our kernel tests; the upstream tests run as a user would.
@@ -64,12 +64,12 @@ def _run(stage: Path, out: Path, plugins: list[str]) -> dict:
     cmd += ["-q", "-rN", "--tb=line", f"--junitxml={junit}", TEST_FILE]
     try:
         proc = subprocess.run(cmd, cwd=stage, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        tail = (proc.stdout + proc.stderr)[-3000:]
+        tail, timed_out = (proc.stdout + proc.stderr)[-3000:], False
     except subprocess.TimeoutExpired as e:
-        tail = f"timed out after {RUN_TIMEOUT_S} s\n" + str(e.stdout or "")[-2000:]
+        tail, timed_out = str(e.stdout or "")[-2000:], True
     outcomes = _parse_junit(junit) if junit.exists() else {}
     substitutions = json.loads(report.read_text()) if report.exists() else None
-    return {"outcomes": outcomes, "tail": tail, "substitutions": substitutions}
+    return {"outcomes": outcomes, "tail": tail, "timed_out": timed_out, "substitutions": substitutions}
 
 
 def _parse_junit(path: Path) -> dict:
@@ -104,6 +104,8 @@ def test_fused_classes_pass_what_stock_passes(tmp_path):
         fused_run = pool.submit(_run, stage, tmp_path / "fused", common + ["fused_substitute"])
         stock, fused = stock_run.result(), fused_run.result()
 
+    for name, run in (("stock", stock), ("fused", fused)):
+        assert not run["timed_out"], f"the {name} run took over {RUN_TIMEOUT_S} s; its output ends:\n{run['tail']}"
     assert fused["substitutions"], f"fused_substitute did not run; the fused run's output ends:\n{fused['tail']}"
     stock_passed = sorted(t for t, (outcome, _) in stock["outcomes"].items() if outcome == "passed")
     if not stock_passed:
