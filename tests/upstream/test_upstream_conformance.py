@@ -1,0 +1,126 @@
+"""transformers' own Qwen3.5 model tests, run against the fused classes: every test that passes with the stock
+classes passes with the fused ones, except the cases in BY_DESIGN.
+
+The upstream tests live beside the repo, in `<repo>/../shared/upstream-tests` (see its README; they are not copied
+into the repo); the test skips where that folder is absent. The upstream test file runs twice, in two parallel
+subprocesses with the same options: as it is (stock), and with `-p fused_substitute` (the fused classes in place of
+the stock ones, see that module). Outcomes are read per test from each run's JUnit XML.
+
+It runs wherever the suite runs: on CPU in CI, and on a GPU machine (`python -m pytest tests/upstream`), where the
+fused kernels run and stock itself fails some tests (training with fla, ...): the comparison is always against
+stock on the same machine. Without a GPU both runs hide flash-linear-attention (`-p no_fla`, which says why).
+"""
+
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+UPSTREAM = REPO.parent / "shared" / "upstream-tests"
+TEST_FILE = "tests/models/qwen3_5/test_modeling_qwen3_5.py"
+# One run takes ~2 min on CI's 2 cores (~4 min for the two side by side); the limit is for a hung run.
+RUN_TIMEOUT_S = 1500
+
+# Tests that pass with stock and cannot pass with the fused classes, by design: {test id pattern (fnmatch): reason}.
+# Test ids are `Class::test_name[param]`.
+BY_DESIGN: dict[str, str] = {}
+
+
+def _stage(root: Path) -> Path:
+    """A writable view of the upstream folder: a link to each of its entries, plus `src/transformers` pointing at
+    the installed package (`tests/test_pipeline_mixin.py` reads the library source from there, see the README)."""
+    import transformers
+
+    stage = root / "upstream-tests"
+    stage.mkdir()
+    for entry in UPSTREAM.iterdir():
+        (stage / entry.name).symlink_to(entry)
+    (stage / "src").mkdir()
+    (stage / "src" / "transformers").symlink_to(Path(transformers.__file__).parent)
+    return stage
+
+
+def _run(stage: Path, out: Path, plugins: list[str]) -> dict:
+    """Run the upstream Qwen3.5 test file with `plugins`; returns {"outcomes": {test id: (outcome, first line)},
+    "tail": the end of its output, "timed_out", "substitutions": what fused_substitute reported (when loaded)}."""
+    junit, report = out.with_suffix(".xml"), out.with_suffix(".json")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_ADDOPTS")}
+    # TRITON_INTERPRET is set by the repo's conftest for our kernel tests; the upstream tests run as a user would.
+    env["PYTHONPATH"] = os.pathsep.join([str(stage), str(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["QWEN3_5_SUBSTITUTE_REPORT"] = str(report)
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "_peer_compat"]
+    for plugin in plugins:
+        cmd += ["-p", plugin]
+    cmd += ["-q", "-rN", "--tb=line", f"--junitxml={junit}", TEST_FILE]
+    try:
+        proc = subprocess.run(cmd, cwd=stage, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        tail, timed_out = (proc.stdout + proc.stderr)[-3000:], False
+    except subprocess.TimeoutExpired as e:
+        tail, timed_out = str(e.stdout or "")[-2000:], True
+    outcomes = _parse_junit(junit) if junit.exists() else {}
+    substitutions = json.loads(report.read_text()) if report.exists() else None
+    return {"outcomes": outcomes, "tail": tail, "timed_out": timed_out, "substitutions": substitutions}
+
+
+def _parse_junit(path: Path) -> dict:
+    """{`Class::test_name[param]`: (passed | failed | skipped, first line of the message)} from a JUnit XML file."""
+    outcomes = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        test_id = f"{case.get('classname', '').rpartition('.')[2]}::{case.get('name')}"
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = "skipped" if child.tag == "skipped" else "failed"
+                text = child.get("message") or child.text or ""
+                message = next((line.strip() for line in text.splitlines() if line.strip()), "")
+                break
+        outcomes[test_id] = (outcome, message[:300])
+    return outcomes
+
+
+def _by_design(test_id: str) -> str | None:
+    return next((reason for pattern, reason in BY_DESIGN.items() if fnmatch.fnmatchcase(test_id, pattern)), None)
+
+
+@pytest.mark.slow
+def test_fused_classes_pass_what_stock_passes(tmp_path):
+    if not (UPSTREAM / TEST_FILE).is_file():
+        pytest.skip(f"transformers' Qwen3.5 tests not found at {UPSTREAM} (the shared folder beside the repo)")
+    pytest.importorskip("parameterized", reason="the upstream tests need `parameterized` (requirements.txt)")
+    stage = _stage(tmp_path)
+    common = [] if torch.cuda.is_available() else ["no_fla"]
+    with ThreadPoolExecutor(2) as pool:
+        stock_run = pool.submit(_run, stage, tmp_path / "stock", common)
+        fused_run = pool.submit(_run, stage, tmp_path / "fused", common + ["fused_substitute"])
+        stock, fused = stock_run.result(), fused_run.result()
+
+    for name, run in (("stock", stock), ("fused", fused)):
+        assert not run["timed_out"], f"the {name} run took over {RUN_TIMEOUT_S} s; its output ends:\n{run['tail']}"
+    assert fused["substitutions"], f"fused_substitute did not run; the fused run's output ends:\n{fused['tail']}"
+    stock_passed = sorted(t for t, (outcome, _) in stock["outcomes"].items() if outcome == "passed")
+    if not stock_passed:
+        errors = [line for line in stock["tail"].splitlines() if line.startswith("E ")] or stock["tail"].splitlines()
+        pytest.skip(f"no upstream test passes with stock transformers {transformers.__version__} here (the "
+                    f"comparison holds: nothing to keep passing); the stock run: {' '.join(errors[-1:])}")
+
+    regressions = []
+    for test_id in stock_passed:
+        outcome, message = fused["outcomes"].get(test_id, ("missing", "not run (collection error?)"))
+        if outcome != "passed" and _by_design(test_id) is None:
+            regressions.append(f"{test_id}: {outcome}: {message}")
+    counts = {name: {o: sum(v[0] == o for v in run["outcomes"].values()) for o in ("passed", "failed", "skipped")}
+              for name, run in (("stock", stock), ("fused", fused))}
+    assert not regressions, (
+        f"{len(regressions)} upstream tests pass with stock but not with the fused classes "
+        f"(stock {counts['stock']}, fused {counts['fused']}):\n" + "\n".join(regressions)
+    )
