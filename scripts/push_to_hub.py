@@ -23,7 +23,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-CODE_FILES = ("configuration_qwen3_5_fused.py", "modeling_qwen3_5_fused.py", "fused_ops.py")
+CODE_FILES = ("configuration_qwen3_5_fused.py", "modeling_qwen3_5_fused.py", "fused_ops.py", "fused_ops_runtime.py",
+              "fused_ops_norm.py", "fused_ops_attention.py", "fused_ops_deltanet.py", "fused_ops_gemv.py")
 CONFIG_FILES = ("config.json", "generation_config.json")
 WEIGHT_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

@@ -46,11 +46,13 @@ sys.path.insert(0, sys.argv[1])
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import fused_ops
+from scripts.common import import_module
+fused_ops_runtime, fused_ops_norm, fused_ops_attention, fused_ops_deltanet, fused_ops_gemv = (
+    import_module(f"fused_ops_{name}") for name in ("runtime", "norm", "attention", "deltanet", "gemv"))
 
 def compile_(fn, types, constexprs, num_warps):
     # kernels with a PDL switch compile as the H200 launches them: with programmatic dependent launch
-    pdl = "PDL" in fn.arg_names and fused_ops._HAS_GDC
+    pdl = "PDL" in fn.arg_names and fused_ops_runtime._HAS_GDC
     if "PDL" in fn.arg_names:
         constexprs = {"PDL": pdl, **constexprs}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
@@ -166,7 +168,8 @@ def padded_batch(batch: int, seq_len: int, padding: str | None, vocab: int = 256
     return ids, mask
 
 
-CODE_FILES = ("configuration_qwen3_5_fused.py", "modeling_qwen3_5_fused.py", "fused_ops.py")
+CODE_FILES = ("configuration_qwen3_5_fused.py", "modeling_qwen3_5_fused.py", "fused_ops.py", "fused_ops_runtime.py",
+              "fused_ops_norm.py", "fused_ops_attention.py", "fused_ops_deltanet.py", "fused_ops_gemv.py")
 AUTO_MAP_TEXT = configuration.AUTO_MAP_TEXT
 AUTO_MAP_COMPOSITE = configuration.AUTO_MAP_COMPOSITE
 

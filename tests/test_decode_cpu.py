@@ -17,6 +17,7 @@ import torch
 import helpers
 from helpers import cache_of, composite_kwargs, fused_ops, generate_stock, modeling, rel_err, stock_and_fused_lm
 from helpers import fused_on_cpu  # noqa: F401 - the fixture, used by every test below
+from scripts.common import import_module
 
 pytestmark = pytest.mark.usefixtures("fused_on_cpu")
 
@@ -225,7 +226,7 @@ def test_describe_reports_pdl_and_the_gemv_late_signal(monkeypatch):
     assert decode["pdl"] is False and decode["pdl_gemv_late_signal_min_weight_elems"] is None
     monkeypatch.setattr(modeling, "pdl_enabled", lambda device: True)
     assert fused.describe()["decode"]["pdl_gemv_late_signal_min_weight_elems"] == 9_000_000
-    monkeypatch.setattr(fused_ops, "_GEMV_LATE_TRIGGER_ELEMS", 123)
+    monkeypatch.setattr(import_module("fused_ops_gemv"), "_GEMV_LATE_TRIGGER_ELEMS", 123)
     decode = fused.describe()["decode"]
     assert decode["pdl"] is True and decode["pdl_gemv_late_signal_min_weight_elems"] == 123
     fused.set_fused_kernels(False)
