@@ -57,6 +57,40 @@ _CONV_BLOCK_D = 256
 if HAS_TRITON:
 
     @triton.jit
+    def _conv_step_tile(b_x, p_s, m_s, stride_s_w, p_w, m_w, p_bias, m_bias,
+                        W: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_W: tl.constexpr):
+        """One decode step of the depthwise causal conv1d + SiLU for a tile of channels, the state shifted in place:
+        `s <- [s[1:], x]`, `y = silu(sum_w s[w] * weight[w] + bias)`, rounded as stock `causal_conv1d_update`: the
+        window to the weight dtype (stored in the state's), the conv output and the SiLU to the weight dtype. The one
+        conv step of `causal_conv1d_step` and of the GEMV's conv epilogue (`fused_ops_gemv`).
+
+        Each channel tensor carries a trailing tap axis of size 1 ([..., 1]; any leading shape): b_x, the new value
+        (float32); p_s, the channel's tap 0 in the state (taps `stride_s_w` apart); m_s, the channels to step. p_w /
+        m_w: the channel's weight row (taps contiguous), broadcastable to p_s. p_bias / m_bias ([...], no tap axis):
+        the bias, read with HAS_BIAS. Returns y [...] in float32, rounded to the weight dtype."""
+        o_w = tl.arange(0, BLOCK_W)  # [BW] taps
+        w_dt = p_w.dtype.element_ty
+        s_dt = p_s.dtype.element_ty
+        p_s = p_s + o_w * stride_s_w  # [..., BW]
+        # the window after the step: old taps 1..W-1, then x
+        b_s = tl.load(p_s + stride_s_w, mask=m_s & (o_w < W - 1), other=0.0).to(tl.float32)  # [..., BW]
+        b_s = tl.where(o_w == W - 1, b_x, b_s)
+        # the shift stores tap w, which another thread of this program may still have to load (as the old tap w for
+        # its window's w - 1): every thread finishes its loads before any thread stores
+        tl.debug_barrier()
+        # stock casts the window to the weight dtype, then copies it into the state (casting to the state dtype)
+        b_s = _round_to(b_s, w_dt)
+        tl.store(p_s, _round_to(b_s, s_dt).to(s_dt), mask=m_s & (o_w < W))
+
+        b_w = tl.load(p_w + o_w, mask=m_w & (o_w < W), other=0.0).to(tl.float32)  # [..., BW]
+        b_y = tl.sum(b_s * b_w, axis=-1)  # [...]
+        if HAS_BIAS:
+            b_y += tl.load(p_bias, mask=m_bias, other=0.0).to(tl.float32)
+        # stock: conv1d output in the weight dtype, SiLU in the weight dtype (the caller casts to its output dtype)
+        b_y = _round_to(b_y, w_dt)
+        return _round_to(b_y / (1.0 + tl.exp(-b_y)), w_dt)
+
+    @triton.jit
     def _causal_conv1d_step_kernel(
         x_ptr,
         s_ptr,
@@ -77,32 +111,13 @@ if HAS_TRITON:
     ):
         i_b = tl.program_id(0).to(tl.int64)
         o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD] channels
-        o_w = tl.arange(0, BLOCK_W)  # [BW] taps
         m_d = o_d < D
-        m = m_d[:, None] & (o_w < W)[None, :]  # [BD, BW]
-        w_dt = w_ptr.dtype.element_ty
 
         b_x = tl.load(x_ptr + i_b * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
         p_s = s_ptr + i_b * stride_s_b + o_d[:, None] * stride_s_d  # [BD, 1]
-        # the window after the step: old taps 1..W-1, then x
-        m_old = m_d[:, None] & (o_w < W - 1)[None, :]
-        b_s = tl.load(p_s + (o_w[None, :] + 1) * stride_s_w, mask=m_old, other=0.0).to(tl.float32)  # [BD, BW]
-        b_s = tl.where((o_w == W - 1)[None, :], b_x[:, None], b_s)
-        # the shift stores tap w, which another thread of this program may still have to load (as the old tap w for
-        # its window's w - 1): every thread finishes its loads before any thread stores
-        tl.debug_barrier()
-        # stock casts the window to the weight dtype, then copies it into the state (casting to the state dtype)
-        b_s = _round_to(b_s, w_dt)
-        s_dt = s_ptr.dtype.element_ty
-        tl.store(p_s + o_w[None, :] * stride_s_w, _round_to(b_s, s_dt).to(s_dt), mask=m)
-
-        b_w = tl.load(w_ptr + o_d[:, None] * stride_w + o_w[None, :], mask=m, other=0.0).to(tl.float32)  # [BD, BW]
-        b_y = tl.sum(b_s * b_w, axis=1)  # [BD]
-        if HAS_BIAS:
-            b_y += tl.load(bias_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
-        # stock: conv1d output in the weight dtype, SiLU in the weight dtype, then cast to x's dtype
-        b_y = _round_to(b_y, w_dt)
-        b_y = _round_to(b_y / (1.0 + tl.exp(-b_y)), w_dt)
+        b_y = _conv_step_tile(b_x[:, None], p_s, m_d[:, None], stride_s_w, w_ptr + o_d[:, None] * stride_w,
+                              m_d[:, None], bias_ptr + o_d, m_d, W, HAS_BIAS, BLOCK_W)  # [BD]
+        # stock: the SiLU's output (weight dtype) cast to x's dtype
         y_dt = y_ptr.dtype.element_ty
         tl.store(y_ptr + i_b * stride_y + o_d, _round_to(b_y, y_dt).to(y_dt), mask=m_d)
 

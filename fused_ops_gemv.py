@@ -35,6 +35,7 @@ from .fused_ops_runtime import (
 )
 
 if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
+    from .fused_ops_deltanet import _conv_step_tile
     from .fused_ops_runtime import _round_to
 
 
@@ -198,24 +199,9 @@ if HAS_TRITON:
         if CONV:  # the conv step + SiLU of the first C columns, as `causal_conv1d_step` on them (same roundings)
             m_c = m_n & (o_n < C)  # [BN] conv channels of this program: no other program touches their state
             m_mc = (o_m < M)[:, None] & m_c[None, :]  # [BM, BN]
-            o_w = tl.arange(0, BLOCK_W)
-            w_dt = cw_ptr.dtype.element_ty
-            p_s = (s_ptr + o_m.to(tl.int64)[:, None, None] * stride_s_b + o_n.to(tl.int64)[None, :, None] * stride_s_d
-                   + o_w[None, None, :] * stride_s_w)  # [BM, BN, BW]
-            m_old = m_mc[:, :, None] & (o_w < CONV_W - 1)[None, None, :]
-            b_win = tl.load(p_s + stride_s_w, mask=m_old, other=0.0).to(tl.float32)  # old taps 1..W-1
-            b_win = tl.where((o_w == CONV_W - 1)[None, None, :], b_y[:, :, None], b_win)  # then this token's value
-            b_win = _round_to(b_win, w_dt)
-            tl.debug_barrier()  # every thread has loaded the old taps before any thread shifts them
-            s_dt = s_ptr.dtype.element_ty
-            tl.store(p_s, _round_to(b_win, s_dt).to(s_dt), mask=m_mc[:, :, None] & (o_w < CONV_W)[None, None, :])
-            m_cw = m_c[:, None] & (o_w < CONV_W)[None, :]
-            b_cw = tl.load(cw_ptr + o_n[:, None] * stride_cw + o_w[None, :], mask=m_cw, other=0.0).to(tl.float32)
-            b_c = tl.sum(b_win * b_cw[None, :, :], axis=2)  # [BM, BN]
-            if CONV_BIAS:
-                b_c += tl.load(cb_ptr + o_n, mask=m_c, other=0.0).to(tl.float32)[None, :]
-            b_c = _round_to(b_c, w_dt)
-            b_c = _round_to(b_c / (1.0 + tl.exp(-b_c)), w_dt)
+            p_s = s_ptr + o_m.to(tl.int64)[:, None, None] * stride_s_b + o_n.to(tl.int64)[None, :, None] * stride_s_d
+            b_c = _conv_step_tile(b_y[:, :, None], p_s, m_mc[:, :, None], stride_s_w, cw_ptr + o_n[:, None] * stride_cw,
+                                  m_c[:, None], cb_ptr + o_n, m_c, CONV_W, CONV_BIAS, BLOCK_W)  # [BM, BN]
             b_y = tl.where(m_c[None, :], _round_to(b_c, dt), b_y)
         p_y = y_ptr + o_m[:, None] * stride_ym + o_n[None, :]
         tl.store(p_y, b_y.to(dt), mask=(o_m < M)[:, None] & m_n[None, :])

@@ -14,6 +14,7 @@ Error bounds (relative, `rel_err` below), and why:
 - Pure copies (v, gate, the residual sum `h`) must be bit-exact.
 """
 
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -462,6 +463,19 @@ def test_rejects_bad_inputs(case):
     call, match = BAD_INPUTS[case]
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_op_set_binds_the_kernels_or_references_taking_the_same_arguments():
+    """`op_set()` is the model's fused ops, `op_set(reference=True)` their torch references; each reference takes
+    exactly its kernel's parameters (names, kinds, defaults), so the fused control flow runs on either set."""
+    kernels, refs = fused_ops.op_set(), fused_ops.op_set(reference=True)
+    assert tuple(vars(kernels)) == tuple(vars(refs)) == fused_ops.KERNEL_OPS
+    for name in fused_ops.KERNEL_OPS:
+        kernel, ref = getattr(kernels, name), getattr(refs, name)
+        assert kernel is getattr(fused_ops, name) and ref is getattr(fused_ops, f"{name}_ref")
+        kernel_params, ref_params = ([(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+                                     for f in (kernel, ref))
+        assert ref_params == kernel_params, name
 
 
 def test_import_without_triton():
