@@ -9,9 +9,7 @@
 - `mrope_step`: the decode step's rotary cos / sin (stock's interleaved mRoPE), positions moved on in place, one
   launch; replaces stock `Qwen3_5TextRotaryEmbedding.forward` for one token.
 
-Each op reads kernel -> public wrapper (validates, raises ValueError naming the offending values) -> plain-torch
-`name_ref()` right below it; fp32 / bf16 / fp16 in, fp32 math inside, rounded to the input dtype exactly where stock
-rounds. Shape alphabet: `fused_ops_runtime`.
+Each op: kernel -> wrapper (validates; ValueError names the values) -> torch `name_ref` below it (dtypes: runtime).
 """
 
 import torch

@@ -12,9 +12,7 @@
 `_conv_step_tile` is the one conv step (window shift + depthwise conv + SiLU) that `causal_conv1d_step` and the
 GEMV's conv epilogue (`fused_ops_gemv`) both run.
 
-Each op reads kernel -> public wrapper (validates, raises ValueError naming the offending values) -> plain-torch
-`name_ref()` right below it; fp32 / bf16 / fp16 in, fp32 math inside, rounded to the input dtype exactly where stock
-rounds. Shape alphabet: `fused_ops_runtime`.
+Each op: kernel -> wrapper (validates; ValueError names the values) -> torch `name_ref` below it (dtypes: runtime).
 """
 
 import inspect

@@ -7,9 +7,7 @@
   `small_linear_choices` reports the picks, `gemv_late_signal_min_elems` the PDL late-signal threshold
   (`_GEMV_LATE_TRIGGER_ELEMS`, read here: patch it on this module).
 
-Each op reads kernel -> public wrapper (validates, raises ValueError naming the offending values) -> plain-torch
-`name_ref()` right below it; fp32 / bf16 / fp16 in, fp32 math inside, rounded to the input dtype exactly where stock
-rounds. Shape alphabet: `fused_ops_runtime`.
+Each op: kernel -> wrapper (validates; ValueError names the values) -> torch `name_ref` below it (dtypes: runtime).
 """
 
 import contextlib

@@ -7,9 +7,7 @@
 - `gated_rms_norm`: the gated RMSNorm after a Gated DeltaNet layer's rule, reading the gate z in place; replaces stock
   `Qwen3_5RMSNormGated` (and the copy of z fla's `rms_norm_gated` needed).
 
-Each op reads kernel -> public wrapper (validates, raises ValueError naming the offending values) -> plain-torch
-`name_ref()` right below it; fp32 / bf16 / fp16 in, fp32 math inside, rounded to the input dtype exactly where stock
-rounds. Shape alphabet: `fused_ops_runtime`.
+Each op: kernel -> wrapper (validates; ValueError names the values) -> torch `name_ref` below it (dtypes: runtime).
 """
 
 import torch

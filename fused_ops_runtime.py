@@ -8,6 +8,7 @@ every file of a Hub repo, so nothing in these modules may fail at import time.
 
 Shape alphabet: B batch, T tokens, H attention heads, KV key/value heads, D head dim, R rotary dim, N hidden size,
 I intermediate size, HV linear-attention value heads, K / V linear key / value head dims.
+Every op takes fp32 / bf16 / fp16, computes in fp32 and rounds to the input dtype exactly where stock rounds.
 
 Also here: the graph-capture helpers `reset_rng_after_failed_capture` / `capture_error`, used by the GEMV's timing
 autotuner (`fused_ops_gemv`) and by the model's CUDA-graph code (through the `fused_ops` facade).
