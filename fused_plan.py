@@ -16,40 +16,12 @@ The one per-call condition left is ``torch.is_grad_enabled()`` (a context, not a
 records gradients runs the stock code, said once.
 """
 
-import types
-
 import torch
 from transformers.utils import logging
 
 from .configuration_qwen3_5_fused import resolve_switches
 from .fused_compat import GENERATE_HOOKS_REASON
-from .fused_ops import (
-    attn_prep,
-    attn_prep_ref,
-    decode_attention,
-    decode_attention_ref,
-    deltanet_prep,
-    deltanet_prep_ref,
-    gated_delta_rule_prefill,
-    gated_delta_rule_prefill_ref,
-    gated_delta_rule_step,
-    gated_delta_rule_step_ref,
-    gated_rms_norm,
-    gated_rms_norm_ref,
-    gemv_late_signal_min_elems,
-    kernels_available,
-    mrope_step,
-    mrope_step_ref,
-    pdl_enabled,
-    rms_norm,
-    rms_norm_ref,
-    sigmoid_gate_mul,
-    sigmoid_gate_mul_ref,
-    small_linear,
-    small_linear_ref,
-    swiglu,
-    swiglu_ref,
-)
+from .fused_ops import gemv_late_signal_min_elems, kernels_available, op_set, pdl_enabled
 
 logger = logging.get_logger(__name__)
 
@@ -57,19 +29,8 @@ logger = logging.get_logger(__name__)
 # generate loop, the forward graphs' padding) on CPU tensors with every kernel replaced by its torch reference.
 EMULATE_ON_CPU = False
 
-KERNELS = types.SimpleNamespace(
-    rms_norm=rms_norm, attn_prep=attn_prep, sigmoid_gate_mul=sigmoid_gate_mul, swiglu=swiglu,
-    small_linear=small_linear, gated_delta_rule_step=gated_delta_rule_step, deltanet_prep=deltanet_prep,
-    gated_rms_norm=gated_rms_norm, gated_delta_rule_prefill=gated_delta_rule_prefill,
-    decode_attention=decode_attention, mrope_step=mrope_step,
-)
-REFERENCES = types.SimpleNamespace(
-    rms_norm=rms_norm_ref, attn_prep=attn_prep_ref, sigmoid_gate_mul=sigmoid_gate_mul_ref, swiglu=swiglu_ref,
-    small_linear=small_linear_ref, gated_delta_rule_step=gated_delta_rule_step_ref,
-    deltanet_prep=deltanet_prep_ref, gated_rms_norm=gated_rms_norm_ref,
-    gated_delta_rule_prefill=gated_delta_rule_prefill_ref, decode_attention=decode_attention_ref,
-    mrope_step=mrope_step_ref,
-)
+KERNELS = op_set()  # the Triton / fla kernels
+REFERENCES = op_set(reference=True)  # their torch references (the CPU emulation)
 
 SWIGLU_ACTS = ("silu", "swish")
 LAYER_KINDS = ("linear_attention", "full_attention", "mlp", "rms_norm", "decoder_layer")

@@ -2,13 +2,15 @@
 
     # the rule step's value columns per program, 32 (main) against 16, at 4B and 0.8B, batch 1 and 8
     python scripts/ab_decode.py --shapes 4B,0.8B --batches 1,8 \\
-        --variant base: --variant bv16:fused_ops._GDR_BLOCK_V=16
+        --variant base: --variant bv16:fused_ops_deltanet._GDR_BLOCK_V=16
     # CPU smoke run (what the tests run): the fused classes run stock's code there, so every variant is the same
     python scripts/ab_decode.py --shapes tiny --device cpu --dtype float32 --new-tokens 3 --repeats 1 \\
-        --variant a: --variant b:fused_ops._DA_MIN_SPLIT=32
+        --variant a: --variant b:fused_ops_attention._DA_MIN_SPLIT=32
 
-A variant is `NAME:` followed by a comma list of `MODULE.CONSTANT=VALUE`. MODULE is one of the repo's files (by name,
-e.g. `fused_generate`, `fused_ops_gemv`), the one that reads the constant; VALUE is a Python literal (a tuple or set literal too: commas inside it do not split). The first variant
+A variant is `NAME:` followed by a comma list of `MODULE.CONSTANT=VALUE`. MODULE is the repo file that
+reads the constant, by name (`fused_generate.STOP_CHECK_EVERY`, `fused_ops_runtime.PDL_ENABLED`,
+`fused_ops_gemv._GEMV_LATE_TRIGGER_ELEMS`, `fused_ops_deltanet._GDR_BLOCK_V`, ...; not the `fused_ops` facade);
+VALUE is a Python literal (a tuple or set literal too: commas inside it do not split). The first variant
 is the baseline. Only the fused model is built, once per shape, with random weights. Each variant sets its constants
 and drops the model's graphs (`set_fused_kernels(False)` then `(True)`), then two 4-token `generate` calls warm and
 capture. `small_linear`'s per-shape choices stay, so the variants differ only in what they set. Repeats are
@@ -34,7 +36,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.benchmark_latency import build_pair, log, stock_cpu_guard  # noqa: E402
-from scripts.common import REPO, import_repo, repo_module, write_report  # noqa: E402
+from scripts.common import code_files, import_module, write_report  # noqa: E402
+
+
+def variant_modules() -> dict:
+    """The modules a variant may name: every code file of the repo by its name, imported once through the repo
+    package, except the `fused_ops` facade (a constant set there would be read by nobody)."""
+    names = [name.removesuffix(".py") for name in code_files()]
+    return {name: import_module(name) for name in names if name != "fused_ops"}
 
 
 def parse_variant(spec: str, modules: dict) -> tuple[str, list]:
@@ -153,8 +162,7 @@ def main(argv=None):
     if args.new_tokens < 1:
         raise ValueError(f"--new-tokens must be at least 1, got {args.new_tokens}.")
 
-    _, modeling, fused_ops = import_repo()
-    modules = {path.stem: repo_module(path.stem) for path in REPO.glob("*.py")}  # every repo module, by file name
+    modules = variant_modules()
     variants = [parse_variant(v, modules) for v in args.variant]
     names = [name for name, _ in variants]
     if len(set(names)) != len(names):

@@ -1,11 +1,11 @@
-"""The decode step's linears, one by one: cuBLAS against each `fused_ops.gemv` config, timed as the step meets them,
-and what `fused_ops.small_linear` picks for each shape in this process.
+"""The decode step's linears, one by one: cuBLAS against each `fused_ops_gemv.gemv` config, timed as the step meets
+them, and what `fused_ops_gemv.small_linear` picks for each shape in this process.
 
     python scripts/benchmark_gemv.py --shapes 0.8B,4B,9B --rows 1,8 --out out/gemv
 
-Each candidate is timed by `fused_ops._time_in_graph_ms`, the method `small_linear` chooses by, but over more copies
-of the weight (together over 400 MB, where `small_linear` holds at most 64 MB of copies): captured in a CUDA graph
-that calls it on each copy in turn, twice over, and replayed; the median time per call includes the gap between
+Each candidate is timed by `fused_ops_gemv._time_in_graph_ms`, the method `small_linear` chooses by, but over more
+copies of the weight (together over 400 MB, where `small_linear` holds at most 64 MB of copies): captured in a CUDA
+graph that calls it on each copy in turn, twice over, and replayed; the median time per call includes the gap between
 launches inside a graph, and programmatic dependent launch's overlap, as in the step.
 Prints, per shape and row count, every candidate's microseconds and the bandwidth of the best against the copy
 floor (bytes / 4.2 TB/s, the H200's measured copy rate), and `small_linear`'s choice, so a mismatch between the
@@ -20,18 +20,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.common import import_repo, real_text_kwargs  # noqa: E402
+from scripts.common import import_module, real_text_kwargs  # noqa: E402
 
 COPY_TB_S = 4.2  # the H200's device copy rate measured by benchmark_latency.py (4.17-4.22 TB/s in its runs)
-# The configs of fused_ops._GEMV_CONFIGS plus the others of the first sweep and small tiles whose accumulator fits at
-# 8 rows, and every config with its tile loop unrolled 2 and 4 times, so a sweep can show a better one.
+# The configs of fused_ops_gemv._GEMV_CONFIGS plus the others of the first sweep and small tiles whose accumulator
+# fits at 8 rows, and every config with its tile loop unrolled 2 and 4 times, so a sweep can show a better one.
 _OTHERS = ((4, 1024, 4, False), (16, 256, 8, False), (4, 2048, 8, False), (8, 1024, 8, False),
            (1, 256, 4, False), (2, 256, 4, False), (4, 128, 4, False), (1, 512, 4, False), (2, 512, 8, False),
            (4, 256, 8, False))
 
 
-def extra_configs(fused_ops) -> tuple:
-    base = [fused_ops.GemvConfig(*c) for c in (*fused_ops._GEMV_CONFIGS, *_OTHERS)]
+def extra_configs(fused_ops_gemv) -> tuple:
+    base = [fused_ops_gemv.GemvConfig(*c) for c in (*fused_ops_gemv._GEMV_CONFIGS, *_OTHERS)]
     return tuple(c._replace(unroll=u) for u in (1, 2, 4) for c in base)
 
 
@@ -53,8 +53,8 @@ def decode_linears(size: str) -> dict:
     }
 
 
-def sweep(fused_ops, sizes, rows, dtype) -> dict:
-    configs = tuple(dict.fromkeys(fused_ops._GEMV_CONFIGS + extra_configs(fused_ops)))
+def sweep(fused_ops_gemv, sizes, rows, dtype) -> dict:
+    configs = tuple(dict.fromkeys(fused_ops_gemv._GEMV_CONFIGS + extra_configs(fused_ops_gemv)))
     results = {}
     for size in sizes:
         for name, (N, K, gate_up) in decode_linears(size).items():
@@ -63,16 +63,16 @@ def sweep(fused_ops, sizes, rows, dtype) -> dict:
             weights = [torch.randn(N, K, device="cuda", dtype=dtype) / K**0.5 for _ in range(copies)]
             for M in rows:
                 x = torch.randn(M, K, device="cuda", dtype=dtype)
-                row = {"cublas": 1e3 * fused_ops._time_in_graph_ms(
-                    lambda w: fused_ops._run_small_linear(x, w, gate_up, "cublas"), weights)}
+                row = {"cublas": 1e3 * fused_ops_gemv._time_in_graph_ms(
+                    lambda w: fused_ops_gemv._run_small_linear(x, w, gate_up, "cublas"), weights)}
                 for config in configs:
-                    if M > fused_ops._GEMV_MAX_M:
+                    if M > fused_ops_gemv._GEMV_MAX_M:
                         break
-                    row[str(config)] = 1e3 * fused_ops._time_in_graph_ms(
-                        lambda w, c=config: fused_ops.gemv(x, w, gate_up, c), weights)
-                fused_ops._small_linear_choice.clear()
-                fused_ops.small_linear(x, weights[0], gate_up)
-                (choice,) = fused_ops._small_linear_choice.values()
+                    row[str(config)] = 1e3 * fused_ops_gemv._time_in_graph_ms(
+                        lambda w, c=config: fused_ops_gemv.gemv(x, w, gate_up, c), weights)
+                fused_ops_gemv._small_linear_choice.clear()
+                fused_ops_gemv.small_linear(x, weights[0], gate_up)
+                (choice,) = fused_ops_gemv._small_linear_choice.values()
                 best = min(row, key=row.get)
                 entry = {"N": N, "K": K, "gate_up": gate_up, "M": M, "mb": nbytes / 1e6,
                          "floor_us": nbytes / (COPY_TB_S * 1e6), "us": row, "best": best,
@@ -96,10 +96,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_gemv.py times CUDA kernels inside CUDA graphs: it needs a CUDA GPU.")
-    _, _, fused_ops = import_repo()
-    if fused_ops.kernels_available() is not None:
-        raise SystemExit(f"the fused kernels cannot run here: {fused_ops.kernels_available()}.")
-    results = sweep(fused_ops, args.shapes.split(","), [int(r) for r in args.rows.split(",")],
+    reason = import_module("fused_ops").kernels_available()
+    if reason is not None:
+        raise SystemExit(f"the fused kernels cannot run here: {reason}.")
+    results = sweep(import_module("fused_ops_gemv"), args.shapes.split(","), [int(r) for r in args.rows.split(",")],
                     getattr(torch, args.dtype))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

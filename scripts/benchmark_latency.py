@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.common import import_repo, real_text_kwargs, repo_module, tiny_text_kwargs, write_report  # noqa: E402
+from scripts.common import import_module, import_repo, real_text_kwargs, tiny_text_kwargs, write_report  # noqa: E402
 
 
 def stock_cpu_guard(device):
     """Stock Qwen3.5 + fla sends CPU tensors to fla's Triton kernels (a crash); on CPU route them to torch."""
     if device.type != "cpu":
         return contextlib.nullcontext()
-    return repo_module("fused_compat").torch_reference_kernels()
+    return import_module("fused_compat").torch_reference_kernels()
 
 
 def log(msg: str) -> None:
@@ -282,10 +282,10 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
     ids = torch.randint(3, vocab, (batch, prompt_len), device=device)
     mask = torch.ones_like(ids)
     variants = [("stock", models["stock"], None)]
-    fused_ops = import_repo()[2]
+    fused_ops_runtime = import_module("fused_ops_runtime")  # PDL_ENABLED is read there
     if "fused" in models:
         variants += [("fused-eager", models["fused"], False), ("fused", models["fused"], True)]
-        if pdl_ab and fused_ops.pdl_enabled(device):
+        if pdl_ab and fused_ops_runtime.pdl_enabled(device):
             variants.append(("fused-no-pdl", models["fused"], True))
     out = {}
     for name, model, graphs in variants:
@@ -293,7 +293,7 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
             saved = model.config.cuda_graphs
             model.config.cuda_graphs = graphs
         if name == "fused-no-pdl":  # new graphs, captured with PDL off (a launch option, read at capture)
-            fused_ops.PDL_ENABLED = False
+            fused_ops_runtime.PDL_ENABLED = False
             model.set_fused_kernels(False).set_fused_kernels(True)
 
         def run(n):
@@ -344,7 +344,7 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
                 gemv = sum(v != "cublas" for v in linears.values())
                 log(f"decode batch={batch} {name}: GEMV chosen for {gemv} of {len(linears)} linear shapes")
         if name == "fused-no-pdl":  # back to the default for what runs next
-            fused_ops.PDL_ENABLED = True
+            fused_ops_runtime.PDL_ENABLED = True
             model.set_fused_kernels(False).set_fused_kernels(True)
         log(f"decode batch={batch} {name}: {per_token:.3f} ms/token (median of {len(per_tokens)}; "
             f"{min(per_tokens):.3f} to {max(per_tokens):.3f}), first token {out[name]['first_token_ms']:.2f} ms, "
@@ -390,8 +390,8 @@ def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, d
     graphs): kernels and summed GPU time per token (the profile of a `new_tokens` call minus that of a 1-token call,
     so the prefill cancels), and the top kernels of the longer call. Kernels replayed from a CUDA graph are recorded
     individually by CUPTI. With programmatic dependent launch on (`fused_ops.pdl_enabled`), a kernel's recorded time
-    includes its wait for the one before, so the sum exceeds the token's time; set `fused_ops.PDL_ENABLED = False`
-    for per-kernel times."""
+    includes its wait for the one before, so the sum exceeds the token's time; set `fused_ops_runtime.PDL_ENABLED =
+    False` for per-kernel times."""
     from torch.profiler import ProfilerActivity, profile
 
     ids = torch.randint(3, vocab, (batch, prompt_len), device=device)

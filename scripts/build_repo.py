@@ -127,7 +127,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.common import code_files, import_repo, repo_module  # noqa: E402
+from scripts.common import code_files, import_repo, import_module  # noqa: E402
 
 CONFIG = import_repo()[0]
 from scripts.push_to_hub import (  # noqa: E402
@@ -670,7 +670,7 @@ def _stock_runs_on(device: str):
     """Stock Qwen3.5 calls fla's Triton kernels whenever fla is installed, which fail on CPU tensors: on CPU run its
     plain-torch functions instead (the fused classes' own fallback does the same)."""
     if device == "cpu":
-        with repo_module("fused_compat").torch_reference_kernels():
+        with import_module("fused_compat").torch_reference_kernels():
             yield
     else:
         yield

@@ -1,7 +1,7 @@
 """Helpers shared by the scripts and the tests: import the repo's remote-code files as a package, tiny configs,
 random real-shape configs, and stock/fused model pairs that share weights.
 
-The repo's three code files use relative imports (that is what makes the Hub copy them), so outside of
+The repo's code files use relative imports (that is what makes the Hub copy them), so outside of
 `from_pretrained(..., trust_remote_code=True)` they are imported as the package `qwen3_5_fused_repo`, whose path is
 the repo root.
 """
@@ -61,24 +61,20 @@ def code_files(repo_dir=REPO, entries=ENTRY_FILES) -> list[str]:
     return sorted(found)
 
 
-def import_repo():
-    """Import the repo's code files as a package; returns (configuration, modeling, fused_ops) modules."""
+def import_module(name: str) -> types.ModuleType:
+    """One of the repo's code files as a module of the package: `import_module("fused_ops_gemv")` is
+    `qwen3_5_fused_repo.fused_ops_gemv`. The one way in for tests and scripts, so each file is imported once (one copy
+    of its constants and caches)."""
     if PACKAGE not in sys.modules:
         pkg = types.ModuleType(PACKAGE)
         pkg.__path__ = [str(REPO)]
         sys.modules[PACKAGE] = pkg
-    return (
-        importlib.import_module(f"{PACKAGE}.configuration_qwen3_5_fused"),
-        importlib.import_module(f"{PACKAGE}.modeling_qwen3_5_fused"),
-        importlib.import_module(f"{PACKAGE}.fused_ops"),
-    )
-
-
-def repo_module(name: str):
-    """One of the repo's top-level code modules (``fused_plan``, ``fused_ops_gemv``, ...), imported as part of the
-    package (``import_repo``), so that every caller shares one copy of it."""
-    import_repo()
     return importlib.import_module(f"{PACKAGE}.{name}")
+
+
+def import_repo():
+    """Import the repo's code files as a package; returns (configuration, modeling, fused_ops) modules."""
+    return tuple(import_module(name) for name in ("configuration_qwen3_5_fused", "modeling_qwen3_5_fused", "fused_ops"))
 
 
 def tiny_text_kwargs(**overrides) -> dict:

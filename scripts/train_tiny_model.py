@@ -84,9 +84,9 @@ def torch_linear_attention():
     installed; those are Triton/CUDA kernels and fail on CPU tensors. The repo's modeling file has the context
     manager that routes them back to torch (its CPU fallback uses it); this is that one.
     """
-    from scripts.common import repo_module
+    from scripts.common import import_module
 
-    return repo_module("fused_compat").torch_reference_kernels()
+    return import_module("fused_compat").torch_reference_kernels()
 
 
 def _repo_modules():

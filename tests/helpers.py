@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.common import code_files, import_repo, repo_module, tiny_text_kwargs, tiny_vision_kwargs
+from scripts.common import code_files, import_repo, import_module, tiny_text_kwargs, tiny_vision_kwargs
 
 configuration, modeling, fused_ops = import_repo()
-compat = repo_module("fused_compat")
-plan_mod = repo_module("fused_plan")
-layers = repo_module("fused_layers")
-graphs = repo_module("fused_graphs")
-decode = repo_module("fused_decode")
-runner_mod = repo_module("fused_runner")
-generate_mod = repo_module("fused_generate")
+compat = import_module("fused_compat")
+plan_mod = import_module("fused_plan")
+layers = import_module("fused_layers")
+graphs = import_module("fused_graphs")
+decode = import_module("fused_decode")
+runner_mod = import_module("fused_runner")
+generate_mod = import_module("fused_generate")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -53,11 +53,13 @@ sys.path.insert(0, sys.argv[1])
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import fused_ops
+from scripts.common import import_module
+fused_ops_runtime, fused_ops_norm, fused_ops_attention, fused_ops_deltanet, fused_ops_gemv = (
+    import_module(f"fused_ops_{name}") for name in ("runtime", "norm", "attention", "deltanet", "gemv"))
 
 def compile_(fn, types, constexprs, num_warps):
     # kernels with a PDL switch compile as the H200 launches them: with programmatic dependent launch
-    pdl = "PDL" in fn.arg_names and fused_ops._HAS_GDC
+    pdl = "PDL" in fn.arg_names and fused_ops_runtime._HAS_GDC
     if "PDL" in fn.arg_names:
         constexprs = {"PDL": pdl, **constexprs}
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}

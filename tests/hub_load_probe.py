@@ -9,7 +9,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.common import repo_module  # noqa: E402
+from scripts.common import import_module  # noqa: E402
 
 repo_id, auto_name = sys.argv[1], sys.argv[2]
 auto = getattr(transformers, auto_name)
@@ -17,7 +17,7 @@ auto = getattr(transformers, auto_name)
 
 def stock_cpu_forward(model, ids):
     """Stock Qwen3.5 + fla crashes on CPU tensors; route its DeltaNet helpers to torch for the reference."""
-    with repo_module("fused_compat").torch_reference_kernels():
+    with import_module("fused_compat").torch_reference_kernels():
         return model(input_ids=ids).logits
 
 

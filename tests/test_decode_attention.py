@@ -16,9 +16,10 @@ Error bounds (relative), and why:
 import pytest
 import torch
 
-import fused_ops
 from helpers import DTYPE_IDS, DTYPES, assert_close, compile_for_sm90, needs_interpreter
+from scripts.common import import_module
 
+fused_ops, fused_ops_attention = import_module("fused_ops"), import_module("fused_ops_attention")
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
@@ -115,11 +116,11 @@ def test_decode_attention_rejects_bad_inputs(case):
 
 _SM90_CALLS = r"""
 for dt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
-    compile_(fused_ops._decode_attention_split_kernel,
+    compile_(fused_ops_attention._decode_attention_split_kernel,
              dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", valid_ptr="*i1", slot_ptr="*i64", m_ptr="*fp32",
                   l_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
              dict(H=16, KV=4, D=256, BLOCK_G=16, BLOCK_D=256, SPLIT=64, BLOCK_L=32, DOT_PRECISION=prec, UPCAST=False), 4)
-    compile_(fused_ops._decode_attention_merge_kernel,
+    compile_(fused_ops_attention._decode_attention_merge_kernel,
              dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", gate_ptr=f"*{dt}", y_ptr=f"*{dt}"),
              dict(H=16, D=256, BLOCK_S=32, BLOCK_D=256), 16)
 """
@@ -130,10 +131,10 @@ def test_decode_attention_compiles_for_sm90():
 
 
 def test_split_sizes():
-    assert fused_ops._decode_attention_split(1) == 64
-    assert fused_ops._decode_attention_split(2048) == 64  # 32 splits
-    assert fused_ops._decode_attention_split(2049) == 128
-    assert fused_ops._decode_attention_split(32768) == 1024
+    assert fused_ops_attention._decode_attention_split(1) == 64
+    assert fused_ops_attention._decode_attention_split(2048) == 64  # 32 splits
+    assert fused_ops_attention._decode_attention_split(2049) == 128
+    assert fused_ops_attention._decode_attention_split(32768) == 1024
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import helpers
 from helpers import compat, decode, generate_mod, graphs, plan_mod, runner_mod  # the repo modules these tests reach into
 from helpers import cache_of, composite_kwargs, fused_ops, generate_stock, modeling, rel_err, stock_and_fused_lm
 from helpers import fused_on_cpu  # noqa: F401 - the fixture, used by every test below
+from scripts.common import import_module
 
 pytestmark = pytest.mark.usefixtures("fused_on_cpu")
 
@@ -228,7 +229,7 @@ def test_describe_reports_pdl_and_the_gemv_late_signal(monkeypatch):
     monkeypatch.setattr(plan_mod, "pdl_enabled", lambda device: True)
     fused._refresh_fused()  # the plan is resolved once, not per call
     assert fused.describe()["decode"]["pdl_gemv_late_signal_min_weight_elems"] == 9_000_000
-    monkeypatch.setattr(fused_ops, "_GEMV_LATE_TRIGGER_ELEMS", 123)
+    monkeypatch.setattr(import_module("fused_ops_gemv"), "_GEMV_LATE_TRIGGER_ELEMS", 123)
     decode = fused.describe()["decode"]
     assert decode["pdl"] is True and decode["pdl_gemv_late_signal_min_weight_elems"] == 123
     fused.set_fused_kernels(False)

@@ -13,6 +13,7 @@ import torch
 
 from helpers import decode, graphs  # the repo modules these tests reach into
 from helpers import cache_of, fused_ops, ieee_stock, modeling, padded_batch, rel_err, stock_and_fused_lm
+from scripts.common import import_module
 
 pytestmark = pytest.mark.cuda
 REPO = Path(__file__).resolve().parents[1]
@@ -119,7 +120,7 @@ def test_programmatic_dependent_launch_changes_nothing_bf16(monkeypatch):
     ids, mask = padded_batch(3, 11, "left")
     runs = {}
     for pdl in (False, True):
-        monkeypatch.setattr(fused_ops, "PDL_ENABLED", pdl)
+        monkeypatch.setattr(import_module("fused_ops_runtime"), "PDL_ENABLED", pdl)
         fused.set_fused_kernels(False).set_fused_kernels(True)  # new graphs: PDL is a launch option, read at capture
         runs[pdl] = _generate(fused, ids, mask, max_new_tokens=64)
     assert torch.equal(runs[False].sequences, runs[True].sequences)
@@ -205,6 +206,6 @@ def test_failed_capture_leaves_random_ops_usable(caplog):
     torch.multinomial(torch.ones(3, 10, device="cuda"), 1)
     w = torch.ones(8, device="cuda")
     with pytest.raises(Exception) as info:  # noqa: B017 - whatever CUDA / torch raises for the host sync
-        fused_ops._time_in_graph_ms(lambda w_: w_ * float(w_.sum().item()), [w])
+        import_module("fused_ops_gemv")._time_in_graph_ms(lambda w_: w_ * float(w_.sum().item()), [w])
     assert "previous error" not in str(info.value)
     torch.rand(5, device="cuda")

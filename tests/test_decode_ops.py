@@ -35,9 +35,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fused_ops
 from helpers import DTYPE_IDS, DTYPES, compile_for_sm90, needs_interpreter
+from scripts.common import import_module
 from transformers.models.qwen3_5 import modeling_qwen3_5
+
+fused_ops = import_module("fused_ops")
+fused_ops_runtime = import_module("fused_ops_runtime")
+fused_ops_gemv = import_module("fused_ops_gemv")
 
 STOCK_CONV_UPDATE = inspect.unwrap(modeling_qwen3_5.causal_conv1d_update)
 STOCK_RECURRENT_GDR = inspect.unwrap(modeling_qwen3_5.torch_recurrent_gated_delta_rule)
@@ -531,10 +535,10 @@ def test_gemv_late_trigger_decision(monkeypatch):
     """With PDL a weight of `_GEMV_LATE_TRIGGER_ELEMS` elements or more signals the next kernel after the weight loop
     (the 4B linears from out_proj up, every 9B one, the LM heads), a smaller one at its start; without PDL neither."""
     small, big = torch.empty(1024, 3584), torch.empty(2560, 4096)  # 0.8B down, 4B out_proj
-    assert not fused_ops._gemv_late_trigger(small, True) and fused_ops._gemv_late_trigger(big, True)
-    assert not fused_ops._gemv_late_trigger(big, False)
-    monkeypatch.setattr(fused_ops, "_GEMV_LATE_TRIGGER_ELEMS", small.numel())
-    assert fused_ops._gemv_late_trigger(small, True)
+    assert not fused_ops_gemv._gemv_late_trigger(small, True) and fused_ops_gemv._gemv_late_trigger(big, True)
+    assert not fused_ops_gemv._gemv_late_trigger(big, False)
+    monkeypatch.setattr(fused_ops_gemv, "_GEMV_LATE_TRIGGER_ELEMS", small.numel())
+    assert fused_ops_gemv._gemv_late_trigger(small, True)
 
 
 def test_gemv_rejects_a_bad_unroll():
@@ -582,20 +586,20 @@ def test_small_linear_conv_on_cpu_is_two_launches():
     x, w = torch.randn(2, 16, generator=gen), torch.randn(12, 16, generator=gen)
     state, conv_w = torch.randn(2, 5, 4, generator=gen), torch.randn(5, 4, generator=gen)
     state_ref = state.clone()
-    fused_ops._small_linear_choice.clear()
+    fused_ops_gemv._small_linear_choice.clear()
     y = fused_ops.small_linear(x, w, conv=(state, conv_w, None))
     want = fused_ops.small_linear_ref(x, w, conv=(state_ref, conv_w, None))
     torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(state, state_ref, rtol=0, atol=0)
-    assert list(fused_ops._small_linear_choice.values()) == ["cublas"]
+    assert list(fused_ops_gemv._small_linear_choice.values()) == ["cublas"]
 
 
 def test_pdl_only_on_cuda_and_switchable(monkeypatch):
     """Programmatic dependent launch is never asked of the CPU (the interpreter takes no launch options), and
     `PDL_ENABLED = False` turns it off without a CUDA call."""
     assert not fused_ops.pdl_enabled(torch.device("cpu"))
-    assert fused_ops._pdl_launch(False) == {}
-    monkeypatch.setattr(fused_ops, "PDL_ENABLED", False)
+    assert fused_ops_runtime._pdl_launch(False) == {}
+    monkeypatch.setattr(fused_ops_runtime, "PDL_ENABLED", False)
     assert not fused_ops.pdl_enabled(torch.device("cuda", 0))
 
 
@@ -605,10 +609,10 @@ def test_timing_weights_are_the_weight_and_bounded_copies(mb):
     equal to it in their own storage, at most `_TIMING_COPY_BYTES` of them, and for the decode shapes (weights of
     2 MB and more) a set larger than an H200's 50 MB L2."""
     w = torch.randn(int(mb * 2**20) // (4 * 256), 256)
-    ws = fused_ops._timing_weights(w)
+    ws = fused_ops_gemv._timing_weights(w)
     assert ws[0] is w
     assert all(torch.equal(c, w) and c.data_ptr() != w.data_ptr() for c in ws[1:])
-    assert sum(c.nbytes for c in ws[1:]) <= fused_ops._TIMING_COPY_BYTES
+    assert sum(c.nbytes for c in ws[1:]) <= fused_ops_gemv._TIMING_COPY_BYTES
     if mb >= 2:
         assert sum(c.nbytes for c in ws) > 50 * 2**20
 
@@ -617,10 +621,10 @@ def test_timing_weights_are_the_weight_and_bounded_copies(mb):
 def test_small_linear_on_cpu_is_cublas_path():
     """Off CUDA (and for shapes `gemv` does not take) the choice is `F.linear`, made once per shape."""
     x, w = torch.randn(2, 16), torch.randn(12, 16)
-    fused_ops._small_linear_choice.clear()
+    fused_ops_gemv._small_linear_choice.clear()
     y = fused_ops.small_linear(x, w, gate_up=True)
     assert torch.equal(y, fused_ops.swiglu(F.linear(x, w)))
-    assert list(fused_ops._small_linear_choice.values()) == ["cublas"]
+    assert list(fused_ops_gemv._small_linear_choice.values()) == ["cublas"]
 
 
 @pytest.mark.parametrize(
@@ -650,35 +654,38 @@ def test_gemv_rejects_bad_inputs(case, match):
 
 
 _SM90_CALLS = r"""
-compile_(fused_ops._causal_conv1d_step_kernel,
+compile_(fused_ops_deltanet._causal_conv1d_step_kernel,
          dict(x_ptr="*bf16", s_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", y_ptr="*bf16"),
          dict(W=4, HAS_BIAS=False, BLOCK_D=256, BLOCK_W=4), 4)
 for prefetch in (False, True):
-    kernel = compile_(fused_ops._gated_delta_rule_step_kernel,
+    kernel = compile_(fused_ops_deltanet._gated_delta_rule_step_kernel,
                       dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16",
                            A_log_ptr="*fp32", dt_bias_ptr="*fp32", s_ptr="*fp32", o_ptr="*bf16", scale="fp32",
                            eps="fp32"),
                       dict(GROUP=2, K=128, V=128, BLOCK_K=128, BLOCK_V=32, PREFETCH_STATE=prefetch), 4)
     ptx = kernel.asm["ptx"]
-    if fused_ops._HAS_GDC:  # with prefetch_state the state's loads come before the wait, else every load after it
+    # with prefetch_state the state's loads come before the wait, else every load after it
+    if fused_ops_runtime._HAS_GDC:
         first_load, wait = ptx.index("ld.global"), ptx.index("griddepcontrol.wait")
         assert (first_load < wait) == prefetch, ("prefetch_state", prefetch, first_load, wait)
-kernel = compile_(fused_ops._mrope_step_kernel, dict(pos_ptr="*i64", sec_ptr="*i64", f_ptr="*fp32", cos_ptr="*bf16",
-                  sin_ptr="*bf16", valid_ptr="*i1", slot_ptr="*i64", scaling="fp32"),
+kernel = compile_(fused_ops_attention._mrope_step_kernel,
+                  dict(pos_ptr="*i64", sec_ptr="*i64", f_ptr="*fp32", cos_ptr="*bf16", sin_ptr="*bf16",
+                       valid_ptr="*i1", slot_ptr="*i64", scaling="fp32"),
                   dict(SCALE=True, ADVANCE=True, MARK=True, BLOCK_R=64), 1)
 assert "approx" not in kernel.asm["ptx"], "mrope_step must take the full-precision cos / sin, as torch does"
 # every config once, the epilogues and row counts taking turns (each pair of them at least twice)
-configs = fused_ops._GEMV_CONFIGS + (fused_ops.GemvConfig(2, 1024, 4, False, 2), fused_ops.GemvConfig(2, 256, 4, False, 4))
+GemvConfig = fused_ops_gemv.GemvConfig
+configs = fused_ops_gemv._GEMV_CONFIGS + (GemvConfig(2, 1024, 4, False, 2), GemvConfig(2, 256, 4, False, 4))
 for i, c in enumerate(configs):
     epilogue, block_m = ("plain", "swiglu", "conv")[i % 3], (1, 8)[i // 3 % 2]
-    late = fused_ops._HAS_GDC and i % 2 == 1
-    kernel = compile_(fused_ops._gemv_kernel,
+    late = fused_ops_runtime._HAS_GDC and i % 2 == 1
+    kernel = compile_(fused_ops_gemv._gemv_kernel,
                       dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", s_ptr="*bf16", cw_ptr="*bf16", cb_ptr="*bf16"),
                       dict(SWIGLU=epilogue == "swiglu", CONV=epilogue == "conv", CONV_W=4, CONV_BIAS=False,
                            BLOCK_M=block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_W=4,
-                           ROW_ACC=fused_ops._gemv_row_acc(c, block_m, c.block_k, epilogue == "swiglu"),
+                           ROW_ACC=fused_ops_gemv._gemv_row_acc(c, block_m, c.block_k, epilogue == "swiglu"),
                            UNROLL=c.unroll, LATE_TRIGGER=late), c.warps)
-    if fused_ops._HAS_GDC:  # the next kernel may launch before the wait, or (late) only after the weight loop
+    if fused_ops_runtime._HAS_GDC:  # the next kernel may launch before the wait, or (late) only after the weight loop
         ptx = kernel.asm["ptx"]
         launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
         assert (launch > wait) == late and ptx.count("griddepcontrol.launch_dependents") == 1, (c, late)
@@ -743,7 +750,7 @@ def test_mrope_step_rejects_bad_inputs():
 def test_kernels_compile_for_sm90():
     """The real-shape variants of this file's kernels compile for sm_90 (each GEMV config, and two more unrolled; the
     GPU tests run every config with every epilogue); `mrope_step`'s cos / sin are not the approximate instructions."""
-    assert compile_for_sm90(_SM90_CALLS) == 4 + len(fused_ops._GEMV_CONFIGS) + 2
+    assert compile_for_sm90(_SM90_CALLS) == 4 + len(fused_ops_gemv._GEMV_CONFIGS) + 2
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -863,7 +870,7 @@ _GEMV_CUDA_EXTRA = ((8, 512, 4, False, 2), (2, 1024, 4, False, 4), (2, 256, 4), 
     ids=["4B-deltanet-in", "4B-out", "4B-gate-up", "4B-down", "0.8B-down"],
 )
 def test_gemv_cuda(dtype, M, N, K, gate_up):
-    for config in (*fused_ops._GEMV_CONFIGS, *_GEMV_CUDA_EXTRA):
+    for config in (*fused_ops_gemv._GEMV_CONFIGS, *_GEMV_CUDA_EXTRA):
         check_gemv("cuda", dtype, M, N, K, gate_up, config=config)
 
 
@@ -873,7 +880,7 @@ def test_gemv_cuda(dtype, M, N, K, gate_up):
 @pytest.mark.parametrize("N,K,C", [(12352, 2560, 8192), (8224, 1024, 6144), (12352, 4096, 8192)],
                          ids=["4B-deltanet-in", "0.8B-deltanet-in", "9B-deltanet-in"])
 def test_gemv_conv_cuda(dtype, M, N, K, C):
-    for config in fused_ops._GEMV_CONFIGS:
+    for config in fused_ops_gemv._GEMV_CONFIGS:
         check_gemv_conv("cuda", dtype, M, N, K, C, config=config)
 
 
@@ -905,8 +912,8 @@ def test_graph_timing_reads_the_weights_from_hbm_cuda():
     times = {}
     for n in (4096, 16384):
         w = torch.randn(n, 4096, device="cuda", dtype=torch.bfloat16)
-        ws = fused_ops._timing_weights(w)
-        times[n] = fused_ops._time_in_graph_ms(lambda w_: torch.nn.functional.linear(x, w_), ws)
+        ws = fused_ops_gemv._timing_weights(w)
+        times[n] = fused_ops_gemv._time_in_graph_ms(lambda w_: torch.nn.functional.linear(x, w_), ws)
         tb_s = w.nbytes / (times[n] * 1e-3) / 1e12
         assert 0.5 < tb_s < 4.3, f"N={n}: {times[n] * 1e3:.1f} us per call is {tb_s:.2f} TB/s"
         del w, ws
@@ -917,7 +924,7 @@ def test_graph_timing_reads_the_weights_from_hbm_cuda():
 def test_small_linear_picks_and_captures_cuda():
     """The choice is made at the first eager call (timed in graphs, its copies and graphs freed after), then the same
     choice replays inside a CUDA graph."""
-    fused_ops._small_linear_choice.clear()
+    fused_ops_gemv._small_linear_choice.clear()
     x = torch.randn(1, 2560, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(18432, 2560, device="cuda", dtype=torch.bfloat16) / 50
     fused_ops.small_linear(x, w[:2560])  # a first choice: the timing stream and its cuBLAS workspace now exist
@@ -926,9 +933,9 @@ def test_small_linear_picks_and_captures_cuda():
     eager = fused_ops.small_linear(x, w, gate_up=True)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before <= eager.nbytes + (1 << 20), "the timing left memory allocated"
-    fused_ops._small_linear_choice.pop((1, 2560, 2560, False, torch.bfloat16, x.device))
-    (choice,) = fused_ops._small_linear_choice.values()
-    assert choice == "cublas" or choice in fused_ops._GEMV_CONFIGS
+    fused_ops_gemv._small_linear_choice.pop((1, 2560, 2560, False, torch.bfloat16, x.device))
+    (choice,) = fused_ops_gemv._small_linear_choice.values()
+    assert choice == "cublas" or choice in fused_ops_gemv._GEMV_CONFIGS
     assert rel_err(eager.float(), fused_ops.gemv_ref(x, w, True).float()) <= BOUND[torch.bfloat16]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -24,11 +24,12 @@ import inspect
 import pytest
 import torch
 
-import fused_ops
 from helpers import DTYPE_IDS, DTYPES, assert_close, compile_for_sm90, needs_interpreter
+from scripts.common import import_module
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
+fused_ops = import_module("fused_ops")
 STOCK_CONV = inspect.unwrap(modeling_qwen3_5.causal_conv1d_fn)
 STOCK_L2NORM = modeling_qwen3_5.l2norm
 
@@ -204,9 +205,10 @@ _SM90_CALLS = r"""
 ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", b_ptr="*bf16", a_ptr="*bf16", y_ptr="*bf16",
             beta_ptr="*fp32", g_ptr="*bf16", eps="fp32")
 for block_t in (16, 64):
-    compile_(fused_ops._deltanet_prep_kernel, ptrs,
+    compile_(fused_ops_deltanet._deltanet_prep_kernel, ptrs,
              dict(HK=16, DK=128, HV=32, DV=128, W=4, HAS_BIAS=False, BLOCK_T=block_t, BLOCK_D=128, BLOCK_HV=32), 8)
-compile_(fused_ops._gated_rms_norm_kernel, dict(x_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", eps="fp32"),
+compile_(fused_ops_norm._gated_rms_norm_kernel,
+         dict(x_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", eps="fp32"),
          dict(HV=32, BLOCK_M=8, BLOCK_D=128), 4)
 """
 

@@ -14,6 +14,7 @@ Error bounds (relative, `rel_err` below), and why:
 - Pure copies (v, gate, the residual sum `h`) must be bit-exact.
 """
 
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,8 @@ import pytest
 import torch
 from torch import nn
 
-import fused_ops
 from helpers import DTYPE_IDS, DTYPES, compile_for_sm90, needs_interpreter
+from scripts.common import import_module
 from transformers import AttentionInterface
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
@@ -33,6 +34,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5TextRotaryEmbedding,
 )
 
+fused_ops = import_module("fused_ops")
 REPO = Path(__file__).resolve().parents[1]
 BOUND = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 EPS = 1e-6
@@ -439,12 +441,12 @@ BAD_INPUTS = {
 
 _SM90_CALLS = r"""
 for at_slot in (False, True):
-    compile_(fused_ops._attn_prep_kernel,
+    compile_(fused_ops_attention._attn_prep_kernel,
              dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", qw_ptr="*bf16", kw_ptr="*bf16", q_ptr="*bf16",
                   k_ptr="*bf16", v_ptr="*bf16", g_ptr="*bf16", slot_ptr="*i64" if at_slot else "*bf16", eps="fp32"),
              dict(H=16, KV=4, D=256, R=64, N_QB=4, BLOCK_H=4, BLOCK_D=256, AT_SLOT=at_slot), 4)
 for residual in (False, True):
-    compile_(fused_ops._rms_norm_kernel,
+    compile_(fused_ops_norm._rms_norm_kernel,
              dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", h_ptr="*bf16", eps="fp32"),
              dict(HAS_RESIDUAL=residual, BLOCK_M=1, BLOCK_N=4096), 16)
 """
@@ -463,8 +465,21 @@ def test_rejects_bad_inputs(case):
         call()
 
 
+def test_op_set_binds_the_kernels_or_references_taking_the_same_arguments():
+    """`op_set()` is the model's fused ops, `op_set(reference=True)` their torch references; each reference takes
+    exactly its kernel's parameters (names, kinds, defaults), so the fused control flow runs on either set."""
+    kernels, refs = fused_ops.op_set(), fused_ops.op_set(reference=True)
+    assert tuple(vars(kernels)) == tuple(vars(refs)) == fused_ops.KERNEL_OPS
+    for name in fused_ops.KERNEL_OPS:
+        kernel, ref = getattr(kernels, name), getattr(refs, name)
+        assert kernel is getattr(fused_ops, name) and ref is getattr(fused_ops, f"{name}_ref")
+        kernel_params, ref_params = ([(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+                                     for f in (kernel, ref))
+        assert ref_params == kernel_params, name
+
+
 def test_import_without_triton():
-    """`import fused_ops` must not raise where triton is missing; the refs still work, the kernels say why not."""
+    """Importing `fused_ops` must not raise where triton is missing; the refs still work, the kernels say why not."""
     code = f"""
 import sys
 sys.modules["triton"] = None  # makes `import triton` raise ImportError
@@ -472,7 +487,8 @@ sys.modules["triton"] = None  # makes `import triton` raise ImportError
 sys.modules["fla"] = None
 sys.path.insert(0, {str(REPO)!r})
 import torch
-import fused_ops
+from scripts.common import import_module
+fused_ops = import_module("fused_ops")  # the facade imports every fused_ops_* module
 assert fused_ops.HAS_TRITON is False and fused_ops.HAS_FLA is False
 assert fused_ops.kernels_available() == "triton is not installed"
 x = torch.randn(2, 8)

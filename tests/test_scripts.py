@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import fused_on_cpu, fused_ops, generate_mod, modeling  # noqa: F401 - fused_on_cpu: the fixture
+from helpers import fused_on_cpu, generate_mod, modeling  # noqa: F401 - fused_on_cpu: the fixture
 from scripts import ab_decode, benchmark_latency, eval_quality, generate
+from scripts.common import import_module
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,13 +138,13 @@ def _ab(tmp_path, *variants, batches="1,2"):
 def test_ab_decode_runs_the_fused_decode_on_cpu(tmp_path, fused_on_cpu):
     """Through the fused decode loop (kernels swapped for their references): a setting that changes only how often
     the host reads the stop flags gives the baseline's tokens, and every constant is restored afterwards."""
-    results = _ab(tmp_path, "base:", "every1:fused_generate.STOP_CHECK_EVERY=1,fused_ops._DA_MIN_SPLIT=32")
+    results = _ab(tmp_path, "base:", "every1:fused_generate.STOP_CHECK_EVERY=1,fused_ops_attention._DA_MIN_SPLIT=32")
     tiny = results["models"]["tiny"]
     assert set(tiny) == {"1", "2"} and set(tiny["2"]) == {"base", "every1"}
     assert tiny["1"]["base"]["delta_ms"] == 0.0 and tiny["1"]["base"]["first_divergence"] is None
     assert tiny["2"]["every1"]["first_divergence"] is None
     assert tiny["2"]["every1"]["min"] <= tiny["2"]["every1"]["ms_per_token"] <= tiny["2"]["every1"]["max"]
-    assert generate_mod.STOP_CHECK_EVERY == 8 and fused_ops._DA_MIN_SPLIT == 64
+    assert generate_mod.STOP_CHECK_EVERY == 8 and import_module("fused_ops_attention")._DA_MIN_SPLIT == 64
     assert "| tiny | 2 | every1 |" in (tmp_path / "ab.md").read_text()
     assert json.loads((tmp_path / "ab.json").read_text())["meta"]["variants"][1].startswith("every1:")
 
@@ -158,9 +159,10 @@ def test_ab_decode_applies_settings_and_restores_them_on_error(tmp_path, fused_o
 @pytest.mark.parametrize("spec, match", [
     ("nocolon", "a variant is NAME:"),
     ("x:torch.cuda=1", "module 'torch' is not one of"),
-    ("x:fused_ops._NO_SUCH=1", "fused_ops has no constant '_NO_SUCH'"),
-    ("x:fused_ops._GDR_BLOCK_V=sixteen", "must be a Python literal, got 'sixteen'"),
-    ("x:fused_ops._GDR_BLOCK_V", "expected MODULE.CONSTANT=VALUE"),
+    ("x:fused_ops_gemv._NO_SUCH=1", "fused_ops_gemv has no constant '_NO_SUCH'"),
+    ("x:fused_ops._GDR_BLOCK_V=16", "module 'fused_ops' is not one of"),  # the facade: constants are set where read
+    ("x:fused_ops_deltanet._GDR_BLOCK_V=sixteen", "must be a Python literal, got 'sixteen'"),
+    ("x:fused_ops_deltanet._GDR_BLOCK_V", "expected MODULE.CONSTANT=VALUE"),
 ])
 def test_ab_decode_rejects_bad_variants(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -169,10 +171,9 @@ def test_ab_decode_rejects_bad_variants(spec, match):
 
 def test_ab_decode_variant_values_may_hold_commas():
     """A tuple or set value keeps its commas; the next item starts only at `MODULE.CONSTANT=`."""
-    modules = {"fused_ops": fused_ops, "modeling": modeling}
     name, settings = ab_decode.parse_variant(
-        "v:fused_ops._DA_MIN_SPLIT=32, fused_ops.PDL_ENABLED=False,generate_mod.STOP_CHECK_EVERY=(1, 2),"
-        "fused_ops._GEMV_MAX_M={'a', 'b'}", modules)
+        "v:fused_ops_attention._DA_MIN_SPLIT=32, fused_ops_runtime.PDL_ENABLED=False,fused_generate.STOP_CHECK_EVERY=(1, 2),"
+        "fused_ops_gemv._GEMV_MAX_M={'a', 'b'}", ab_decode.variant_modules())
     assert name == "v"
     assert [(c, v) for _, c, v in settings] == [("_DA_MIN_SPLIT", 32), ("PDL_ENABLED", False),
                                                 ("_STOP_CHECK_EVERY", (1, 2)), ("_GEMV_MAX_M", {"a", "b"})]

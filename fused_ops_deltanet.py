@@ -1,0 +1,732 @@
+"""Fused Gated DeltaNet ops of Qwen3.5: Triton kernels and fla glue, each beside its plain-torch reference.
+
+- `causal_conv1d_step`, `gated_delta_rule_step`: the single-token (decode) step of a Gated DeltaNet layer, state
+  updated in place, CUDA-graph capturable; replace stock `causal_conv1d_update` and
+  `torch_recurrent_gated_delta_rule` (with its q / k `l2norm`, `b.sigmoid()` and the decay `g`) for T=1.
+- `deltanet_prep`: a prompt's causal conv + SiLU of q|k|v, the q / k L2 norm and beta, one launch, ready for fla's
+  `chunk_gated_delta_rule`; replaces stock's `causal_conv1d_fn` -> split -> `l2norm` / `sigmoid` chain.
+- `gated_delta_rule_prefill` (fla glue, no kernel of ours): a prompt's gated delta rule by fla's chunked kernel, or
+  by its per-token kernel where fp32 must stay IEEE fp32 (`prefill_rule_kernel` decides); replaces stock
+  `chunk_gated_delta_rule`.
+
+`_conv_step_tile` is the one conv step (window shift + depthwise conv + SiLU) that `causal_conv1d_step` and the
+GEMV's conv epilogue (`fused_ops_gemv`) both run.
+
+Each op: kernel -> wrapper (validates; ValueError names the values) -> torch `name_ref` below it (dtypes: runtime).
+"""
+
+import inspect
+
+import torch
+
+from .fused_ops_runtime import (
+    HAS_TRITON,
+    _check_float,
+    _check_last_dim_contiguous,
+    _check_same_device,
+    _check_triton,
+    _device_guard,
+    _num_warps,
+    _pdl_launch,
+    fla_chunk_gated_delta_rule,
+    fla_fused_recurrent_gated_delta_rule,
+    pdl_enabled,
+    tl,
+    triton,
+)
+
+if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
+    from .fused_ops_runtime import _pdl_wait, _round_to
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated DeltaNet decode step (T=1), part 1: causal depthwise conv1d update + SiLU
+#
+# This section and the next are the kernels of a CUDA-graph-capturable single-token step of a Gated DeltaNet layer:
+# they update their state tensors in place (fixed addresses a graph can replay), allocate nothing but their output
+# (and nothing at all given `out=`), never read a value back to the host, and take a batch of B rows.
+# ---------------------------------------------------------------------------------------------------------------------
+
+# Channels per program. Not measured on an H200 yet; the reasoning: the step moves a few bytes per channel, so it is
+# latency-bound, and 256 channels x W=4 taps (4 warps, 8 elements per thread) cuts the 6144-10240 conv channels of
+# the real models into 24-40 programs per row instead of 6-10 with 1024.
+_CONV_BLOCK_D = 256
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _conv_step_tile(b_x, p_s, m_s, stride_s_w, p_w, m_w, p_bias, m_bias,
+                        W: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_W: tl.constexpr):
+        """One decode step of the depthwise causal conv1d + SiLU for a tile of channels, the state shifted in place:
+        `s <- [s[1:], x]`, `y = silu(sum_w s[w] * weight[w] + bias)`, rounded as stock `causal_conv1d_update`: the
+        window to the weight dtype (stored in the state's), the conv output and the SiLU to the weight dtype. The one
+        conv step of `causal_conv1d_step` and of the GEMV's conv epilogue (`fused_ops_gemv`).
+
+        Each channel tensor carries a trailing tap axis of size 1 ([..., 1]; any leading shape): b_x, the new value
+        (float32); p_s, the channel's tap 0 in the state (taps `stride_s_w` apart); m_s, the channels to step. p_w /
+        m_w: the channel's weight row (taps contiguous), broadcastable to p_s. p_bias / m_bias ([...], no tap axis):
+        the bias, read with HAS_BIAS. Returns y [...] in float32, rounded to the weight dtype."""
+        o_w = tl.arange(0, BLOCK_W)  # [BW] taps
+        w_dt = p_w.dtype.element_ty
+        s_dt = p_s.dtype.element_ty
+        p_s = p_s + o_w * stride_s_w  # [..., BW]
+        # the window after the step: old taps 1..W-1, then x
+        b_s = tl.load(p_s + stride_s_w, mask=m_s & (o_w < W - 1), other=0.0).to(tl.float32)  # [..., BW]
+        b_s = tl.where(o_w == W - 1, b_x, b_s)
+        # the shift stores tap w, which another thread of this program may still have to load (as the old tap w for
+        # its window's w - 1): every thread finishes its loads before any thread stores
+        tl.debug_barrier()
+        # stock casts the window to the weight dtype, then copies it into the state (casting to the state dtype)
+        b_s = _round_to(b_s, w_dt)
+        tl.store(p_s, _round_to(b_s, s_dt).to(s_dt), mask=m_s & (o_w < W))
+
+        b_w = tl.load(p_w + o_w, mask=m_w & (o_w < W), other=0.0).to(tl.float32)  # [..., BW]
+        b_y = tl.sum(b_s * b_w, axis=-1)  # [...]
+        if HAS_BIAS:
+            b_y += tl.load(p_bias, mask=m_bias, other=0.0).to(tl.float32)
+        # stock: conv1d output in the weight dtype, SiLU in the weight dtype (the caller casts to its output dtype)
+        b_y = _round_to(b_y, w_dt)
+        return _round_to(b_y / (1.0 + tl.exp(-b_y)), w_dt)
+
+    @triton.jit
+    def _causal_conv1d_step_kernel(
+        x_ptr,
+        s_ptr,
+        w_ptr,
+        bias_ptr,
+        y_ptr,
+        D,
+        stride_x,
+        stride_s_b,
+        stride_s_d,
+        stride_s_w,
+        stride_w,
+        stride_y,
+        W: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+    ):
+        i_b = tl.program_id(0).to(tl.int64)
+        o_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BD] channels
+        m_d = o_d < D
+
+        b_x = tl.load(x_ptr + i_b * stride_x + o_d, mask=m_d, other=0.0).to(tl.float32)  # [BD]
+        p_s = s_ptr + i_b * stride_s_b + o_d[:, None] * stride_s_d  # [BD, 1]
+        b_y = _conv_step_tile(b_x[:, None], p_s, m_d[:, None], stride_s_w, w_ptr + o_d[:, None] * stride_w,
+                              m_d[:, None], bias_ptr + o_d, m_d, W, HAS_BIAS, BLOCK_W)  # [BD]
+        # stock: the SiLU's output (weight dtype) cast to x's dtype
+        y_dt = y_ptr.dtype.element_ty
+        tl.store(y_ptr + i_b * stride_y + o_d, _round_to(b_y, y_dt).to(y_dt), mask=m_d)
+
+
+def causal_conv1d_step(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step of the depthwise causal conv1d + SiLU, updating the conv state in place.
+
+    Math per row and channel (fp32 inside, rounded where stock rounds): `s <- [s[1:], x]`,
+    `y = silu(sum_w s[w] * weight[w] + bias)`.
+
+    Args:
+        x: [B, D] float32 / bfloat16 / float16, the new token's pre-conv channels (mixed_qkv); last dim contiguous,
+            any row stride (e.g. a column slice of a wider projection output).
+        conv_state: [B, D, W] float32 / bfloat16 / float16, any strides; updated in place (shifted left by one tap,
+            x appended), so a CUDA graph can replay the step on its fixed address.
+        weight: [D, W] (`conv1d.weight.squeeze(1)`), float32 / bfloat16 / float16, last dim contiguous.
+        bias: optional [D], contiguous, any float dtype (read as float32). Qwen3.5 has none.
+        out: optional [B, D] in x.dtype, last dim contiguous, any row stride: written and returned, so the step
+            allocates nothing.
+
+    Returns:
+        y [B, D] in x.dtype (`out` when given, else a new contiguous tensor).
+
+    Replaces stock `causal_conv1d_update(x[..., None], conv_state, weight, bias, "silu")` in
+    `Qwen3_5GatedDeltaNet.forward` (single-token cached decode), with its rounding: the window is cast to the weight
+    dtype, the conv output and the SiLU are rounded to the weight dtype, the result to x's dtype. No host sync.
+    """
+    _check_triton("causal_conv1d_step")
+    _check_float("x", x)
+    _check_float("conv_state", conv_state)
+    _check_float("weight", weight)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [B, D], got shape {tuple(x.shape)}.")
+    B, D = x.shape
+    if conv_state.dim() != 3 or conv_state.shape[:2] != (B, D) or conv_state.shape[2] < 1:
+        raise ValueError(f"conv_state must be [B, D, W] = [{B}, {D}, W] for x {tuple(x.shape)}, got "
+                         f"{tuple(conv_state.shape)}.")
+    W = conv_state.shape[2]
+    if weight.shape != (D, W):
+        raise ValueError(f"weight must be [D, W] = {(D, W)} to match x {tuple(x.shape)} and conv_state "
+                         f"{tuple(conv_state.shape)}, got {tuple(weight.shape)}.")
+    _check_last_dim_contiguous("x", x)
+    _check_last_dim_contiguous("weight", weight)
+    tensors = dict(x=x, conv_state=conv_state, weight=weight)
+    if bias is not None:
+        if bias.shape != (D,):
+            raise ValueError(f"bias must have shape ({D},), got {tuple(bias.shape)}.")
+        _check_float("bias", bias)
+        _check_last_dim_contiguous("bias", bias)
+        tensors["bias"] = bias
+    if out is None:
+        out = torch.empty(B, D, dtype=x.dtype, device=x.device)
+    else:
+        if out.shape != (B, D) or out.dtype != x.dtype:
+            raise ValueError(f"out must be [B, D] = {(B, D)} in x's dtype {x.dtype}, got {tuple(out.shape)} "
+                             f"{out.dtype}.")
+        _check_last_dim_contiguous("out", out)
+        tensors["out"] = out
+    _check_same_device(**tensors)
+
+    if B > 0 and D > 0:
+        BLOCK_D = min(triton.next_power_of_2(D), _CONV_BLOCK_D)
+        BLOCK_W = triton.next_power_of_2(W)
+        with _device_guard(x):
+            _causal_conv1d_step_kernel[(B, triton.cdiv(D, BLOCK_D))](
+                x,
+                conv_state,
+                weight,
+                bias if bias is not None else weight,
+                out,
+                D,
+                x.stride(0),
+                *conv_state.stride(),
+                weight.stride(0),
+                out.stride(0),
+                W=W,
+                HAS_BIAS=bias is not None,
+                BLOCK_D=BLOCK_D,
+                BLOCK_W=BLOCK_W,
+                num_warps=_num_warps(BLOCK_D * BLOCK_W),
+            )
+    return out
+
+
+def causal_conv1d_step_ref(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Plain-torch `causal_conv1d_step` (conv_state updated in place), rounding as stock `causal_conv1d_update`."""
+    # stock: the window cast to the weight dtype is both the conv input and the new state
+    window = torch.cat([conv_state[:, :, 1:].to(weight.dtype), x[:, :, None].to(weight.dtype)], dim=-1)  # [B, D, W]
+    conv_state.copy_(window)
+    y = (window.float() * weight.float()).sum(-1)  # [B, D], fp32 accumulation as conv1d's
+    if bias is not None:
+        y = y + bias.float()
+    return torch.nn.functional.silu(y.to(weight.dtype)).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated DeltaNet decode step (T=1), part 2: gate, beta, q/k L2 norm and the gated delta rule state update
+# ---------------------------------------------------------------------------------------------------------------------
+
+# Value columns per program; the K rows of the state sit whole in registers. Not measured on an H200 yet; the
+# reasoning: a [128, 32] fp32 state tile is 32 registers per thread at 4 warps, and at B=1 it gives the real models
+# HV * 4 = 64-192 programs, about one per SM of the 132, where 64 columns would leave most SMs idle.
+_GDR_BLOCK_V = 32
+# The state tile holds the whole K dim; past 256 rows it would spill out of the registers.
+_GDR_MAX_K = 256
+# Epsilon of stock's q / k `l2norm` in `torch_recurrent_gated_delta_rule` (fixed there, not a config value).
+_GDR_L2_EPS = 1e-6
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gated_delta_rule_step_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        a_ptr,
+        b_ptr,
+        A_log_ptr,
+        dt_bias_ptr,
+        s_ptr,
+        o_ptr,
+        stride_q_b,
+        stride_q_h,
+        stride_k_b,
+        stride_k_h,
+        stride_v_b,
+        stride_v_h,
+        stride_a_b,
+        stride_a_h,
+        stride_b_b,
+        stride_b_h,
+        stride_s_b,
+        stride_s_h,
+        stride_s_k,
+        stride_o_b,
+        stride_o_h,
+        scale,
+        eps,
+        GROUP: tl.constexpr,
+        K: tl.constexpr,
+        V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        PREFETCH_STATE: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        # program (row, value head, block of V columns); value head i_hv reads key head i_hv // GROUP
+        i_b = tl.program_id(0).to(tl.int64)
+        i_hv = tl.program_id(1).to(tl.int64)
+        i_h = i_hv // GROUP
+        o_k = tl.arange(0, BLOCK_K)  # [BK]
+        o_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BV]
+        m_k = o_k < K
+        m_v = o_v < V
+        m_s = m_k[:, None] & m_v[None, :]  # [BK, BV]
+        p_s = s_ptr + i_b * stride_s_b + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]  # [BK, BV]
+        if PREFETCH_STATE and PDL:  # the caller vouches that no kernel still running writes the state
+            tl.extra.cuda.gdc_launch_dependents()
+            b_s = tl.load(p_s, mask=m_s, other=0.0)  # the state tile loads while the kernel before drains
+            tl.extra.cuda.gdc_wait()  # then q, k, v, a, b, written by an earlier kernel
+        else:
+            _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
+            b_s = tl.load(p_s, mask=m_s, other=0.0)
+
+        # q, k L2-normalised in fp32; q also scaled
+        b_q = tl.load(q_ptr + i_b * stride_q_b + i_h * stride_q_h + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        b_k = tl.load(k_ptr + i_b * stride_k_b + i_h * stride_k_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q) + eps) * scale
+        b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k) + eps)
+
+        # decay g = -exp(A_log) * softplus(a + dt_bias), fp32; softplus as torch's (threshold 20), with log1p(e)
+        # computed as log(u) * e / (u - 1), u = 1 + e, which stays accurate where e is far below 1
+        b_a = tl.load(a_ptr + i_b * stride_a_b + i_hv * stride_a_h).to(tl.float32)
+        b_a += tl.load(dt_bias_ptr + i_hv).to(tl.float32)
+        b_e = tl.exp(tl.minimum(b_a, 20.0))
+        b_u = 1.0 + b_e
+        b_sp = tl.where(b_u == 1.0, b_e, tl.log(b_u) * (b_e / tl.where(b_u == 1.0, 1.0, b_u - 1.0)))
+        b_sp = tl.where(b_a > 20.0, b_a, b_sp)
+        b_decay = tl.exp(-tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32)) * b_sp)
+        # beta = sigmoid(b), rounded to b's dtype as stock's `b.sigmoid()` is
+        b_bt = tl.load(b_ptr + i_b * stride_b_b + i_hv * stride_b_h).to(tl.float32)
+        b_beta = _round_to(1.0 / (1.0 + tl.exp(-b_bt)), b_ptr.dtype.element_ty)
+
+        b_v = tl.load(v_ptr + i_b * stride_v_b + i_hv * stride_v_h + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+        b_s = b_s * b_decay
+        b_kv = tl.sum(b_s * b_k[:, None], axis=0)  # [BV] = S^T k
+        b_s += b_k[:, None] * ((b_v - b_kv) * b_beta)[None, :]
+        tl.store(p_s, b_s, mask=m_s)
+        b_o = tl.sum(b_s * b_q[:, None], axis=0)  # [BV] = S^T q
+        o_dt = o_ptr.dtype.element_ty
+        tl.store(o_ptr + i_b * stride_o_b + i_hv * stride_o_h + o_v, _round_to(b_o, o_dt).to(o_dt), mask=m_v)
+
+
+def gated_delta_rule_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    prefetch_state: bool = False,
+) -> torch.Tensor:
+    """One decode step of the gated delta rule with its gate and beta, updating the recurrent state in place.
+
+    Math per row and value head (fp32): with `q, k <- l2norm(q) * scale, l2norm(k)`,
+    `g = -exp(A_log) * softplus(a + dt_bias)`, `beta = sigmoid(b)`:
+    `S <- S * exp(g) + k (beta * (v - (S * exp(g))^T k))^T`, `o = S^T q`.
+
+    Args:
+        q, k: [B, H, K] float32 / bfloat16 / float16 (one dtype with v); last dim contiguous, other strides
+            arbitrary (e.g. views of a column slice of the conv output). K <= 256.
+        v: [B, HV, V], same dtype; HV a multiple of H: key head h serves value heads [h * HV/H, (h+1) * HV/H), as
+            stock's `repeat_interleave`. Last dim contiguous, other strides arbitrary.
+        a, b: [B, HV] float32 / bfloat16 / float16, any strides: the `in_proj_a` / `in_proj_b` outputs. `beta` is
+            rounded to b's dtype, as stock's `b.sigmoid()`.
+        A_log, dt_bias: [HV], contiguous, any float dtype (read as float32).
+        state: [B, HV, K, V] float32, last dim contiguous, other strides arbitrary; updated in place, so a CUDA
+            graph can replay the step on its fixed address.
+        scale: multiplies the normalised q; default K ** -0.5 (stock's fixed `query / sqrt(K)`).
+        out: optional [B, HV, V] in q's dtype, last dim contiguous: written and returned, so the step allocates
+            nothing.
+        prefetch_state: with programmatic dependent launch on (`pdl_enabled`), load the state before waiting on
+            the kernel launched before this one, so its read overlaps that kernel's drain. Only for a caller that
+            knows no kernel that may still be running writes `state`: the decode step, where the state's last
+            writer is this kernel one token earlier, in the step before; between two steps the generate loop runs
+            torch kernels, launched without PDL, which start only once all earlier work is done. Not for two calls
+            in a row on one state: the second would read the state before the first has written it.
+
+    Returns:
+        o [B, HV, V] in q's dtype (`out` when given, else a new contiguous tensor).
+
+    Replaces, in `Qwen3_5GatedDeltaNet.forward` at single-token cached decode, `beta = b.sigmoid()`,
+    `g = -A_log.float().exp() * softplus(a.float() + dt_bias)` and stock
+    `torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
+    use_qk_l2norm_in_kernel=True)` with T=1 (whose new state is written back over `state`). No host sync.
+    """
+    _check_triton("gated_delta_rule_step")
+    for name, t in (("q", q), ("k", k), ("v", v), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+        _check_float(name, t)
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [B, H, K], got {tuple(q.shape)} and {tuple(k.shape)}.")
+    B, H, K = q.shape
+    if v.dim() != 3 or v.shape[0] != B or v.shape[1] < 1 or H < 1 or v.shape[1] % H:
+        raise ValueError(f"v must be [B, HV, V] = [{B}, HV, V] with HV a multiple of H = {H} for q "
+                         f"{tuple(q.shape)}, got {tuple(v.shape)}.")
+    HV, V = v.shape[1:]
+    if not 1 <= K <= _GDR_MAX_K or V < 1:
+        raise ValueError(f"K must be in [1, {_GDR_MAX_K}] (the state's K rows sit in registers) and V >= 1, got "
+                         f"K={K}, V={V}.")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+    for name, t in (("a", a), ("b", b)):
+        if t.shape != (B, HV):
+            raise ValueError(f"{name} must be [B, HV] = {(B, HV)} to match v {tuple(v.shape)}, got {tuple(t.shape)}.")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t.shape != (HV,):
+            raise ValueError(f"{name} must have shape ({HV},) to match v {tuple(v.shape)}, got {tuple(t.shape)}.")
+        _check_last_dim_contiguous(name, t)
+    if state.shape != (B, HV, K, V) or state.dtype != torch.float32:
+        raise ValueError(f"state must be [B, HV, K, V] = {(B, HV, K, V)} float32, got {tuple(state.shape)} "
+                         f"{state.dtype}.")
+    for name, t in (("q", q), ("k", k), ("v", v), ("state", state)):
+        _check_last_dim_contiguous(name, t)
+    tensors = dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, state=state)
+    if out is None:
+        out = torch.empty(B, HV, V, dtype=q.dtype, device=q.device)
+    else:
+        if out.shape != (B, HV, V) or out.dtype != q.dtype:
+            raise ValueError(f"out must be [B, HV, V] = {(B, HV, V)} in q's dtype {q.dtype}, got "
+                             f"{tuple(out.shape)} {out.dtype}.")
+        _check_last_dim_contiguous("out", out)
+        tensors["out"] = out
+    _check_same_device(**tensors)
+    scale = K**-0.5 if scale is None else float(scale)
+
+    if B > 0:
+        BLOCK_K = triton.next_power_of_2(K)
+        BLOCK_V = min(triton.next_power_of_2(V), _GDR_BLOCK_V)
+        with _device_guard(q):
+            pdl = pdl_enabled(q.device)
+            _gated_delta_rule_step_kernel[(B, HV, triton.cdiv(V, BLOCK_V))](
+                q,
+                k,
+                v,
+                a,
+                b,
+                A_log,
+                dt_bias,
+                state,
+                out,
+                q.stride(0),
+                q.stride(1),
+                k.stride(0),
+                k.stride(1),
+                v.stride(0),
+                v.stride(1),
+                a.stride(0),
+                a.stride(1),
+                b.stride(0),
+                b.stride(1),
+                state.stride(0),
+                state.stride(1),
+                state.stride(2),
+                out.stride(0),
+                out.stride(1),
+                scale,
+                _GDR_L2_EPS,
+                GROUP=HV // H,
+                K=K,
+                V=V,
+                BLOCK_K=BLOCK_K,
+                BLOCK_V=BLOCK_V,
+                PREFETCH_STATE=bool(prefetch_state),
+                # about 32 state values per thread: 4 warps for the real [128, 32] tile
+                num_warps=max(1, min(8, BLOCK_K * BLOCK_V // (32 * 32))),
+                PDL=pdl,
+                **_pdl_launch(pdl),
+            )
+    return out
+
+
+def gated_delta_rule_step_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    prefetch_state: bool = False,
+) -> torch.Tensor:
+    """Plain-torch `gated_delta_rule_step` (state updated in place, `out` written and returned when given), rounding
+    as stock does. `prefetch_state` is taken and ignored: it orders a kernel's loads, and there is no kernel here."""
+    group = v.shape[1] // q.shape[1]
+    beta = b.sigmoid().float()[..., None]  # [B, HV, 1], rounded to b's dtype first as stock
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())  # [B, HV]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+
+    def l2norm(x):  # [B, H, K] -> [B, HV, K], fp32
+        x = x.float()
+        return (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + _GDR_L2_EPS)).repeat_interleave(group, dim=1)
+
+    q, k = l2norm(q) * scale, l2norm(k)
+    s = state * g.exp()[..., None, None]  # [B, HV, K, V]
+    kv = (s * k[..., None]).sum(-2)  # [B, HV, V]
+    s = s + k[..., None] * ((v.float() - kv) * beta)[..., None, :]
+    state.copy_(s)
+    o = (s * q[..., None]).sum(-2).to(v.dtype)  # [B, HV, V]
+    return o if out is None else out.copy_(o)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated DeltaNet prefill, input side: causal conv + SiLU of q|k|v, the q / k L2 norm, beta and the gate input
+#
+# Why our own kernel: through fla, this stage is eight launches per layer: fla's conv once per q / k / v slice,
+# `chunk_gated_delta_rule`'s L2 norm of q and of k, its beta sigmoid, and its input guard's copies of the strided
+# b / a columns of the packed projection. Nothing maintained fuses them. This one launch reads those columns once
+# and writes what `chunk_gated_delta_rule` reads, ready: contiguous, normalised q and k, v, beta in fp32 and a.
+# ---------------------------------------------------------------------------------------------------------------------
+
+# Tokens per program. Not measured on an H200 yet; the reasoning: a [64, 128] tile of one head is 8K fp32 values
+# (32 per thread at 8 warps) and gives the 4B shape at T=2048 2,080 programs; the W-1 tokens of halo each tile
+# re-reads are 5% of its loads.
+_PREP_BLOCK_T = 64
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _deltanet_prep_kernel(
+        x_ptr, w_ptr, bias_ptr, b_ptr, a_ptr, y_ptr, beta_ptr, g_ptr,
+        T, stride_xb, stride_xt, stride_w, stride_bb, stride_bt, stride_ab, stride_at, eps,
+        HK: tl.constexpr, DK: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
+        HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HV: tl.constexpr,
+    ):
+        i_t, i_b, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+        n_b = tl.num_programs(1).to(tl.int64)
+        o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BT] tokens
+        m_t = o_t < T
+        dt = y_ptr.dtype.element_ty
+        w_dt = w_ptr.dtype.element_ty
+        if i_h < 2 * HK + HV:  # one q, k or v head of BLOCK_T tokens
+            is_qk = i_h < 2 * HK
+            D = tl.where(is_qk, DK, DV)
+            col = tl.where(is_qk, i_h * DK, 2 * HK * DK + (i_h - 2 * HK) * DV)  # first input channel of the head
+            # q, k and v are three contiguous blocks of y: [B, T, HK, DK], [B, T, HK, DK], [B, T, HV, DV]
+            part = tl.where(i_h < HK, 0, tl.where(is_qk, 1, 2))
+            base = part.to(tl.int64) * n_b * T * HK * DK
+            width = tl.where(is_qk, HK * DK, HV * DV)
+            o_col = tl.where(is_qk, (i_h - part * HK) * DK, (i_h - 2 * HK) * DV)
+            o_d = tl.arange(0, BLOCK_D)
+            m_d = o_d < D
+            acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            for j in tl.static_range(W):  # tap j reads token t - (W - 1) + j; tokens before 0 are zero
+                t_src = o_t - (W - 1) + j
+                m = (m_t & (t_src >= 0))[:, None] & m_d[None, :]
+                p_x = x_ptr + i_b * stride_xb + t_src[:, None] * stride_xt + col + o_d[None, :]
+                b_x = tl.load(p_x, mask=m, other=0.0).to(tl.float32)
+                b_w = tl.load(w_ptr + (col + o_d) * stride_w + j, mask=m_d, other=0.0).to(tl.float32)
+                acc += b_x * b_w[None, :]
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + col + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
+            # stock: the conv output and the SiLU in the weight dtype, then x's dtype
+            b_y = _round_to(acc, w_dt)
+            b_y = _round_to(_round_to(b_y / (1.0 + tl.exp(-b_y)), w_dt), dt)
+            # fla's L2 norm of q and k: fp32 over the rounded conv output, 1 / sqrt(sum(x^2) + eps)
+            b_y = tl.where(m_d[None, :], b_y, 0.0)
+            b_rstd = 1.0 / tl.sqrt(tl.sum(b_y * b_y, axis=1) + eps)  # [BT]
+            b_y = tl.where(is_qk, _round_to(b_y * b_rstd[:, None], dt), b_y)
+            p_y = y_ptr + base + (i_b * T + o_t)[:, None] * width + o_col + o_d[None, :]
+            tl.store(p_y, b_y.to(dt), mask=m_t[:, None] & m_d[None, :])
+        else:  # the last program of each token block: beta = sigmoid(b) in fp32, and a copied out contiguous
+            # (names differ from the other branch's: Triton wants one type per name across the two branches)
+            o_v = tl.arange(0, BLOCK_HV)
+            m_v = m_t[:, None] & (o_v < HV)[None, :]
+            b_b = tl.load(b_ptr + i_b * stride_bb + o_t[:, None] * stride_bt + o_v[None, :], mask=m_v, other=0.0)
+            b_a = tl.load(a_ptr + i_b * stride_ab + o_t[:, None] * stride_at + o_v[None, :], mask=m_v, other=0.0)
+            o_bt = (i_b * T + o_t)[:, None] * HV + o_v[None, :]
+            tl.store(beta_ptr + o_bt, tl.sigmoid(b_b.to(tl.float32)), mask=m_v)
+            tl.store(g_ptr + o_bt, b_a, mask=m_v)
+
+
+def deltanet_prep(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    eps: float = _GDR_L2_EPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet prefill inputs in one launch: causal depthwise conv + SiLU over q|k|v (no initial state), the
+    L2 norm of each q and k head, `beta = sigmoid(b)`, and `a` copied out contiguous.
+
+    Math per token t and channel c (fp32 inside, rounded where stock rounds): `y[t, c] = silu(sum_j x[t - W + 1 + j,
+    c] * weight[c, j] + bias[c])` with x = 0 before the first token; then for q and k, per head,
+    `y / sqrt(sum(y^2) + eps)` (fla's `l2norm_fwd`, over the rounded conv output).
+
+    Args:
+        x: [B, T, C] float32 / bfloat16 / float16, C = 2 * num_k_heads * head_k_dim + HV * head_v_dim: the q|k|v
+            columns of the packed projection. Last dim contiguous, batch and token strides arbitrary (a column
+            slice of the GEMM output).
+        weight: [C, W] (`conv1d.weight.squeeze(1)`), float32 / bfloat16 / float16, last dim contiguous.
+        bias: optional [C], contiguous (Qwen3.5 has none).
+        b, a: [B, T, HV] float32 / bfloat16 / float16, last dim contiguous, other strides arbitrary: the
+            `in_proj_b` / `in_proj_a` columns.
+        num_k_heads, head_k_dim, head_v_dim: the layer's head layout (HV is b.shape[-1]).
+        eps: the L2 norm's epsilon (stock and fla: 1e-6).
+
+    Returns:
+        `(q, k, v, beta, g)`: q, k [B, T, num_k_heads, head_k_dim] and v [B, T, HV, head_v_dim], contiguous, in
+        x.dtype (q and k normalised); beta [B, T, HV] float32; g [B, T, HV] a's values, contiguous, in a.dtype.
+        They are `chunk_gated_delta_rule`'s inputs with `use_qk_l2norm_in_kernel=False`,
+        `use_beta_sigmoid_in_kernel=False`, `use_gate_in_kernel=True`.
+
+    Replaces, in `Qwen3_5GatedDeltaNet.forward` without a cached state, `F.silu(self.conv1d(mixed_qkv)[..., :T])`,
+    the split into q, k, v, `beta = b.sigmoid()` and the q / k `l2norm` of the chunked rule.
+    """
+    _check_triton("deltanet_prep")
+    for name, t in (("x", x), ("weight", weight), ("b", b), ("a", a)):
+        _check_float(name, t)
+        _check_last_dim_contiguous(name, t)
+    if x.dim() != 3 or b.dim() != 3 or a.shape != b.shape or b.shape[:2] != x.shape[:2]:
+        raise ValueError(f"x must be [B, T, C] and b, a [B, T, HV] with the same B, T; got x {tuple(x.shape)}, "
+                         f"b {tuple(b.shape)}, a {tuple(a.shape)}.")
+    B, T, C = x.shape
+    HV = b.shape[2]
+    key_dim, value_dim = num_k_heads * head_k_dim, HV * head_v_dim
+    if min(num_k_heads, head_k_dim, head_v_dim, HV) < 1 or C != 2 * key_dim + value_dim:
+        raise ValueError(f"x has C={C} channels, but num_k_heads={num_k_heads}, head_k_dim={head_k_dim}, HV={HV}, "
+                         f"head_v_dim={head_v_dim} need 2 * {key_dim} + {value_dim}.")
+    if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:
+        raise ValueError(f"weight must be [C, W] = [{C}, W] for x {tuple(x.shape)}, got {tuple(weight.shape)}.")
+    tensors = dict(x=x, weight=weight, b=b, a=a)
+    if bias is not None:
+        if bias.shape != (C,):
+            raise ValueError(f"bias must have shape ({C},), got {tuple(bias.shape)}.")
+        _check_float("bias", bias)
+        _check_last_dim_contiguous("bias", bias)
+        tensors["bias"] = bias
+    _check_same_device(**tensors)
+
+    y = torch.empty(B * T * C, dtype=x.dtype, device=x.device)
+    q = y[: B * T * key_dim].view(B, T, num_k_heads, head_k_dim)
+    k = y[B * T * key_dim : 2 * B * T * key_dim].view(B, T, num_k_heads, head_k_dim)
+    v = y[2 * B * T * key_dim :].view(B, T, HV, head_v_dim)
+    beta = torch.empty(B, T, HV, dtype=torch.float32, device=x.device)
+    g = torch.empty(B, T, HV, dtype=a.dtype, device=x.device)
+    if B > 0 and T > 0:
+        BLOCK_T = min(_PREP_BLOCK_T, max(16, triton.next_power_of_2(T)))
+        BLOCK_D = triton.next_power_of_2(max(head_k_dim, head_v_dim))
+        with _device_guard(x):
+            _deltanet_prep_kernel[(triton.cdiv(T, BLOCK_T), B, 2 * num_k_heads + HV + 1)](
+                x, weight, bias if bias is not None else weight, b, a, y, beta, g,
+                T, x.stride(0), x.stride(1), weight.stride(0), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+                eps,
+                HK=num_k_heads, DK=head_k_dim, HV=HV, DV=head_v_dim, W=weight.shape[1], HAS_BIAS=bias is not None,
+                BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_HV=triton.next_power_of_2(HV),
+                num_warps=min(8, _num_warps(BLOCK_T * BLOCK_D)),
+            )
+    return q, k, v, beta, g
+
+
+def deltanet_prep_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    eps: float = _GDR_L2_EPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-torch `deltanet_prep`: stock's conv1d + SiLU, then fla's L2 norm (fp32) and beta sigmoid (fp32)."""
+    B, T, C = x.shape
+    W = weight.shape[1]
+    y = torch.nn.functional.conv1d(x.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), bias, padding=W - 1,
+                                   groups=C)[..., :T]
+    y = torch.nn.functional.silu(y).to(x.dtype).transpose(1, 2)  # [B, T, C]
+    key_dim = num_k_heads * head_k_dim
+    q, k, v = torch.split(y, [key_dim, key_dim, C - 2 * key_dim], dim=-1)
+
+    def l2(t):
+        t = t.reshape(B, T, num_k_heads, head_k_dim).float()
+        return (t / torch.sqrt(t.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+    v = v.reshape(B, T, -1, head_v_dim).contiguous()
+    return l2(q), l2(k), v, b.float().sigmoid(), a.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gated DeltaNet prefill, the rule itself: fla's kernels, chosen for precision
+#
+# No kernel of ours. fla's chunked kernel computes its fp32 dots in TF32 (its triangular solve asks for TF32
+# explicitly; its other dots take Triton's fp32 default, which is TF32 too). Measured on an H200 (2026-11-30, 4-layer
+# random model, 16:16 heads, T=129, fp32): stock transformers with fla is 8.7e-4 (relative logit error) from stock's
+# own torch rule, and so is the fused path through the chunked kernel; through fla's per-token kernel (no dots, IEEE
+# fp32) the fused path is 6.8e-7 from stock's torch rule. torch's fp32 matmuls are IEEE unless the user allows TF32
+# (`torch.set_float32_matmul_precision`), so fp32 follows that switch here too.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def prefill_rule_kernel(dtype: torch.dtype) -> str:
+    """Which fla kernel runs a prompt's gated delta rule for activations of `dtype`: "fused_recurrent" for fp32
+    while torch's fp32 matmul precision is "highest" (its default: no TF32), else "chunk". One decision point, read
+    at every eager forward; a forward already captured in a CUDA graph keeps the kernel it was captured with."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "fused_recurrent"
+    return "chunk"
+
+
+def gated_delta_rule_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule over a prompt from a zero state, gate `-exp(A_log) * softplus(a + dt_bias)` computed in
+    the kernel, by fla (`prefill_rule_kernel` picks the chunked or the per-token kernel).
+
+    Args:
+        q, k: [B, T, H, K], already L2-normalised (`deltanet_prep`); v: [B, T, HV, V], HV a multiple of H (grouped
+            value heads, as stock's `repeat_interleave`); one dtype.
+        a: [B, T, HV] the raw gate input; beta: [B, T, HV] float32, already `sigmoid(b)`.
+        A_log, dt_bias: [HV].
+
+    Returns:
+        o [B, T, HV, V] in q's dtype, and the final state [B, HV, K, V] float32 (None unless `output_final_state`).
+    """
+    kernel = prefill_rule_kernel(q.dtype)
+    if kernel == "chunk":
+        return fla_chunk_gated_delta_rule(
+            q, k, v, g=a, beta=beta, output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
+            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=False, A_log=A_log, dt_bias=dt_bias,
+        )
+    return fla_fused_recurrent_gated_delta_rule(
+        q, k, v, g=a, beta=beta, output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
+        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+    )
+
+
+def gated_delta_rule_prefill_ref(q, k, v, a, beta, A_log, dt_bias, output_final_state=False):
+    """Plain-torch `gated_delta_rule_prefill`: stock's torch chunked rule on key heads repeated for their value heads
+    (what stock runs without fla). fp32 math inside; o in q's dtype, as fla returns it."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as stock  # lazy: only the references need transformers
+
+    gate = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    group = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+    rule = inspect.unwrap(stock.torch_chunk_gated_delta_rule)
+    o, state = rule(q, k, v, g=gate, beta=beta, initial_state=None, output_final_state=output_final_state,
+                    use_qk_l2norm_in_kernel=False)
+    return o.to(q.dtype), state

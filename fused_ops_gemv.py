@@ -1,0 +1,449 @@
+"""The decode step's linears for 1-16 rows (GEMV) and the per-shape choice between it and cuBLAS.
+
+- `gemv`: `x @ w.T` as one weight read, optionally with the SwiGLU of the packed gate|up projection or the DeltaNet
+  conv step (`causal_conv1d_step` on the first columns, state in place) in its epilogue; replaces stock's
+  `nn.Linear` (and the `act_fn(gate) * up` / `causal_conv1d_update` launch after it) at decode.
+- `small_linear`: picks `gemv` (a `GemvConfig`) or cuBLAS per shape by timing both once in a CUDA graph;
+  `small_linear_choices` reports the picks, `gemv_late_signal_min_elems` the PDL late-signal threshold
+  (`_GEMV_LATE_TRIGGER_ELEMS`, read here: patch it on this module).
+
+Each op: kernel -> wrapper (validates; ValueError names the values) -> torch `name_ref` below it (dtypes: runtime).
+"""
+
+import contextlib
+import logging
+from typing import NamedTuple
+
+import torch
+
+from .fused_ops_deltanet import causal_conv1d_step, causal_conv1d_step_ref
+from .fused_ops_norm import swiglu, swiglu_ref
+from .fused_ops_runtime import (
+    HAS_TRITON,
+    _check_float,
+    _check_last_dim_contiguous,
+    _check_same_device,
+    _check_triton,
+    _device_guard,
+    _pdl_launch,
+    pdl_enabled,
+    reset_rng_after_failed_capture,
+    tl,
+    triton,
+)
+
+if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
+    from .fused_ops_deltanet import _conv_step_tile
+    from .fused_ops_runtime import _round_to
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decode-batch linear (GEMV, M <= 16 rows), optionally with the SwiGLU epilogue, and the per-shape choice between
+# it and cuBLAS
+#
+# Why a kernel of our own: a decode step reads every weight once for 1-16 rows, so a linear is a pure weight read.
+# On the H200 (2026-11-30 profile, 4B, batch 1) cuBLAS's small-M kernels read the large matrices at ~84% of the copy
+# rate and the small ones far below it, with a split-K reduce kernel after a third of them; together 1.24x the
+# weight-read floor. Nothing maintained fuses the SwiGLU of the gate|up projection into a GEMV either. Whether this
+# kernel beats cuBLAS is decided on the card, per shape: `small_linear` times both at the step's first (eager) call
+# and keeps the faster, so it cannot make a shape slower than cuBLAS.
+# ---------------------------------------------------------------------------------------------------------------------
+
+# `GemvConfig`s tried per shape (`_GEMV_CONFIGS` below). In the sweeps (H200, weights cold in L2; PERFORMANCE.md) few
+# rows and long rows (2 x 1024-2048) win the matrices with few outputs (o_proj, out_proj, down_proj), 1-8 x 256-512
+# the tall ones (gate|up, in_proj, the LM head). At 8 rows cuBLAS won every shape.
+#
+# The fourth field: True sums each weight tile across threads as it goes, False adds the tiles elementwise into a
+# [rows, BLOCK_N, BLOCK_K] accumulator summed once after the loop, where that accumulator takes at most
+# `_GEMV_ACC_REGS` registers a thread (every shipped config at one row; with more rows, the small tiles only).
+# At one row the accumulator read the out / down projections 11-15% faster, the per-tile sum the LM heads and the
+# 4B gate|up 2-3% faster (H200, 2026-12-01, PERFORMANCE.md).
+_GEMV_ACC_REGS = 64
+
+
+class GemvConfig(NamedTuple):
+    """One `gemv` launch configuration: output rows per program, K per weight tile, warps; whether each tile is
+    summed across threads as it goes (`sum_per_tile`) or added into one accumulator summed after the loop (when it
+    fits in `_GEMV_ACC_REGS` registers a thread; the per-tile sum otherwise);
+    and how many times the tile loop is unrolled (`unroll`: a later tile's load issues before an earlier tile's
+    FMAs wait for theirs)."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    sum_per_tile: bool = False
+    unroll: int = 1
+
+
+def _gemv_row_acc(cfg: GemvConfig, block_m: int, block_k: int, gate_up: bool) -> bool:
+    """Whether `gemv` runs `cfg` with the one-accumulator loop (else it sums each tile across threads): asked for, and
+    the [block_m, block_n, block_k] float32 accumulator (two with `gate_up`) fits `_GEMV_ACC_REGS` registers a
+    thread."""
+    elems = block_m * cfg.block_n * block_k * (2 if gate_up else 1)
+    return not cfg.sum_per_tile and elems <= _GEMV_ACC_REGS * 32 * cfg.warps
+
+
+# Each the fastest for some decode shape in `scripts/benchmark_gemv.py`'s sweep (H200, 2026-12-01, PERFORMANCE.md):
+# the unrolled ones at one row for the 4B / 0.8B DeltaNet input, gate|up, attention input and 0.8B down projections,
+# the per-tile sum for the LM heads; the first six also cover 9B's shapes, which that sweep did not time.
+_GEMV_CONFIGS = tuple(GemvConfig(*c) for c in (
+    (8, 512, 4, False), (2, 1024, 4, False), (2, 2048, 8, False), (4, 512, 4, False), (8, 256, 4, False),
+    (1, 2048, 4, False), (4, 1024, 4, True), (8, 256, 4, True), (4, 512, 4, False, 2), (4, 512, 4, False, 4),
+    (1, 512, 4, False, 2), (8, 256, 4, False, 2), (4, 2048, 8, False), (2, 2048, 8, False, 2),
+))
+_GEMV_MAX_M = 16
+# With PDL a GEMV of at least this many weight elements lets the next kernel launch only after its K loop, not at its
+# start. Launched at the start, the next kernel's programs (and, through its own early signal, the GEMV after it) take
+# SM slots while this GEMV still has waves to run, and sit in their wait holding them. In-process A/B (H200,
+# 2026-12-01, PERFORMANCE.md): at 4B batch 1 the late signal on every GEMV read -0.022 and -0.088 ms a token on two
+# machines, on those of >= 9M elements alike (-0.087); at 0.8B on every GEMV +0.015 ms, at >= 9M (its LM head only)
+# +0.0003. At 9B, whose linears are all past it, -0.044 ms (4B -0.034 in the same run); 27B not measured.
+_GEMV_LATE_TRIGGER_ELEMS = 9_000_000
+
+
+def gemv_late_signal_min_elems() -> int:
+    """With PDL, the weight size (elements) from which `gemv` signals the next kernel after its loop (`describe()`)."""
+    return _GEMV_LATE_TRIGGER_ELEMS
+
+
+def _gemv_late_trigger(w: torch.Tensor, pdl: bool) -> bool:
+    """Whether `gemv` on `w` lets the next kernel launch only after its K loop (`_GEMV_LATE_TRIGGER_ELEMS`)."""
+    return pdl and w.numel() >= _GEMV_LATE_TRIGGER_ELEMS
+
+
+# `gemv`'s / `small_linear`'s optional conv epilogue: (conv_state [M, C, W], conv weight [C, W], bias [C] or None)
+ConvStep = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr, w_ptr, y_ptr, s_ptr, cw_ptr, cb_ptr, M, N, K, C, stride_xm, stride_ym,
+        stride_s_b, stride_s_d, stride_s_w, stride_cw,
+        SWIGLU: tl.constexpr, CONV: tl.constexpr, CONV_W: tl.constexpr, CONV_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+        ROW_ACC: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr,
+    ):
+        o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns of this program
+        m_n = o_n < N
+        o_m = tl.arange(0, BLOCK_M)
+        dt = y_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if ROW_ACC:
+            if BLOCK_M == 1:
+                acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                acc2_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            else:
+                acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+                acc3_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if PDL and not LATE_TRIGGER:  # the next kernel may launch now (else after the loop, below)
+            tl.extra.cuda.gdc_launch_dependents()
+        # the first weight tile, loaded before the loop: with PDL, while the kernel before drains (no kernel writes
+        # the weights); [BN, BK], read once for every row of x
+        o_k = tl.arange(0, BLOCK_K)
+        m_w = m_n[:, None] & (o_k < K)[None, :]
+        p_w = w_ptr + o_n.to(tl.int64)[:, None] * K + o_k[None, :]
+        b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)
+        if SWIGLU:  # the up rows sit N rows below the gate rows of the packed gate|up matrix
+            b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # then x, written by an earlier kernel
+        # UNROLL > 1: the loop body repeated, so a later tile's load can issue before an earlier tile's FMAs wait
+        for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < K
+            m_w = m_n[:, None] & m_k[None, :]
+            p_w = w_ptr + o_n.to(tl.int64)[:, None] * K + o_k[None, :]
+            if k0 > 0:  # tile 0 was loaded before the loop
+                b_w = tl.load(p_w, mask=m_w, other=0.0).to(tl.float32)
+                if SWIGLU:
+                    b_wu = tl.load(p_w + N.to(tl.int64) * K, mask=m_w, other=0.0).to(tl.float32)
+            if ROW_ACC:  # elementwise FMAs into a [BM,] BN, BK accumulator, reduced once after the loop
+                if BLOCK_M == 1:
+                    b_x = tl.load(x_ptr + o_k, mask=m_k, other=0.0).to(tl.float32)
+                    acc2 += b_w * b_x[None, :]
+                    if SWIGLU:
+                        acc2_u += b_wu * b_x[None, :]
+                else:  # rows past M re-read row M-1; their store is masked
+                    p_x = x_ptr + tl.minimum(o_m, M - 1)[:, None] * stride_xm + o_k[None, :]
+                    b_x = tl.load(p_x, mask=m_k[None, :], other=0.0).to(tl.float32)  # [BM, BK]
+                    acc3 += b_w[None, :, :] * b_x[:, None, :]
+                    if SWIGLU:
+                        acc3_u += b_wu[None, :, :] * b_x[:, None, :]
+            else:
+                for i_m in tl.static_range(BLOCK_M):
+                    # rows past M (BLOCK_M is M rounded up to a power of two) re-read row M-1; their store is masked
+                    b_x = tl.load(x_ptr + tl.minimum(i_m, M - 1) * stride_xm + o_k, mask=m_k, other=0.0).to(tl.float32)
+                    sel = (o_m == i_m)[:, None]
+                    acc = tl.where(sel, acc + tl.sum(b_w * b_x[None, :], axis=1)[None, :], acc)
+                    if SWIGLU:
+                        acc_u = tl.where(sel, acc_u + tl.sum(b_wu * b_x[None, :], axis=1)[None, :], acc_u)
+        if LATE_TRIGGER:  # every weight tile of this program is in: the next kernel may launch
+            tl.extra.cuda.gdc_launch_dependents()
+        if ROW_ACC:
+            if BLOCK_M == 1:
+                acc = tl.sum(acc2, axis=1)[None, :]
+                if SWIGLU:
+                    acc_u = tl.sum(acc2_u, axis=1)[None, :]
+            else:
+                acc = tl.sum(acc3, axis=2)
+                if SWIGLU:
+                    acc_u = tl.sum(acc3_u, axis=2)
+        b_y = _round_to(acc, dt)  # the linear's output, rounded once as cuBLAS rounds it
+        if SWIGLU:  # stock: silu(gate) rounded, times up (rounded), rounded
+            b_s = _round_to(b_y / (1.0 + tl.exp(-b_y)), dt)
+            b_y = _round_to(b_s * _round_to(acc_u, dt), dt)
+        if CONV:  # the conv step + SiLU of the first C columns, as `causal_conv1d_step` on them (same roundings)
+            m_c = m_n & (o_n < C)  # [BN] conv channels of this program: no other program touches their state
+            m_mc = (o_m < M)[:, None] & m_c[None, :]  # [BM, BN]
+            p_s = s_ptr + o_m.to(tl.int64)[:, None, None] * stride_s_b + o_n.to(tl.int64)[None, :, None] * stride_s_d
+            b_c = _conv_step_tile(b_y[:, :, None], p_s, m_mc[:, :, None], stride_s_w, cw_ptr + o_n[:, None] * stride_cw,
+                                  m_c[:, None], cb_ptr + o_n, m_c, CONV_W, CONV_BIAS, BLOCK_W)  # [BM, BN]
+            b_y = tl.where(m_c[None, :], _round_to(b_c, dt), b_y)
+        p_y = y_ptr + o_m[:, None] * stride_ym + o_n[None, :]
+        tl.store(p_y, b_y.to(dt), mask=(o_m < M)[:, None] & m_n[None, :])
+
+
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    gate_up: bool = False,
+    config: tuple[int, int, int] | None = None,
+    conv: ConvStep | None = None,
+):
+    """`x @ w.T` for a few rows, as one weight read; with `gate_up`, `silu(x @ g.T) * (x @ u.T)` for `w = [g; u]`;
+    with `conv`, the DeltaNet decode step's causal conv + SiLU applied to the first C output columns in the epilogue.
+
+    Args:
+        x: [M, K], 1 <= M <= 16, float32 / bfloat16 / float16, last dim contiguous (any row stride).
+        w: [N, K] contiguous, x's dtype and device; with `gate_up`, [2*I, K] (gate rows, then up rows).
+        config: a `GemvConfig` or a tuple of its fields (BLOCK_N, BLOCK_K, num_warps[, sum_per_tile[, unroll]]);
+            default the first of `_GEMV_CONFIGS`.
+        conv: optional `(conv_state [M, C, W], weight [C, W], bias [C] or None)` as `causal_conv1d_step` takes
+            them, C <= N, not with `gate_up`: columns [0, C) of the output are the conv step of the linear's
+            (rounded) output, and conv_state is updated in place. Saves the conv step's launch: each program owns
+            its output columns, so it owns their conv state too.
+
+    Returns:
+        y [M, N] (or [M, I] with `gate_up`) contiguous, in x.dtype: fp32 accumulation, one rounding, as
+        `F.linear` (then `swiglu`'s roundings, or `causal_conv1d_step`'s on the conv columns: bit-identical to the
+        two launches).
+    """
+    _check_triton("gemv")
+    _check_float("x", x)
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"gemv needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}.")
+    if not 1 <= x.shape[0] <= _GEMV_MAX_M:
+        raise ValueError(f"gemv takes 1 to {_GEMV_MAX_M} rows, got M={x.shape[0]}.")
+    if w.dtype != x.dtype or not w.is_contiguous():
+        raise ValueError(f"gemv needs a contiguous weight in x's dtype ({x.dtype}), got {w.dtype}, "
+                         f"contiguous={w.is_contiguous()}.")
+    if gate_up and w.shape[0] % 2:
+        raise ValueError(f"gemv with gate_up needs an even number of weight rows (gate | up), got {w.shape[0]}.")
+    _check_same_device(x=x, w=w)
+    _check_last_dim_contiguous("x", x)
+    M, K = x.shape
+    N = w.shape[0] // 2 if gate_up else w.shape[0]
+    state, conv_w, conv_b = conv if conv is not None else (w, w, None)
+    C, W = 0, 1
+    if conv is not None:
+        if gate_up:
+            raise ValueError("gemv takes either gate_up or conv, not both.")
+        _check_float("conv_state", state)
+        _check_float("conv weight", conv_w)
+        if state.dim() != 3 or state.shape[0] != M or not 1 <= state.shape[1] <= N:
+            raise ValueError(f"gemv's conv_state must be [M, C, W] with M = {M} and C <= N = {N}, got "
+                             f"{tuple(state.shape)}.")
+        C, W = state.shape[1:]
+        if conv_w.shape != (C, W):
+            raise ValueError(f"gemv's conv weight must be [C, W] = {(C, W)} to match conv_state "
+                             f"{tuple(state.shape)}, got {tuple(conv_w.shape)}.")
+        _check_last_dim_contiguous("conv weight", conv_w)
+        if conv_b is not None:
+            if conv_b.shape != (C,):
+                raise ValueError(f"gemv's conv bias must have shape ({C},), got {tuple(conv_b.shape)}.")
+            _check_float("conv bias", conv_b)
+            _check_last_dim_contiguous("conv bias", conv_b)
+        bias = {"conv_bias": conv_b} if conv_b is not None else {}
+        _check_same_device(x=x, conv_state=state, conv_weight=conv_w, **bias)
+    cfg = GemvConfig(*(config or _GEMV_CONFIGS[0]))
+    if cfg.unroll < 1:
+        raise ValueError(f"gemv's unroll must be 1 or more, got {cfg.unroll}.")
+    BLOCK_N, BLOCK_K, num_warps = cfg.block_n, cfg.block_k, cfg.warps
+    BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
+    BLOCK_M = triton.next_power_of_2(M)
+    row_acc = _gemv_row_acc(cfg, BLOCK_M, BLOCK_K, gate_up)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    with _device_guard(x):
+        pdl = pdl_enabled(x.device)
+        _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
+            x, w, y, state, conv_w, conv_b if conv_b is not None else conv_w, M, N, K, C, x.stride(0), y.stride(0),
+            *(state.stride() if conv is not None else (0, 0, 0)), conv_w.stride(0),
+            SWIGLU=gate_up, CONV=conv is not None, CONV_W=W, CONV_BIAS=conv_b is not None,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_W=triton.next_power_of_2(W),
+            ROW_ACC=row_acc, UNROLL=cfg.unroll, num_warps=num_warps,
+            PDL=pdl, LATE_TRIGGER=_gemv_late_trigger(w, pdl),
+            **_pdl_launch(pdl),
+        )
+    return y
+
+
+def gemv_ref(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    gate_up: bool = False,
+    conv: ConvStep | None = None,
+) -> torch.Tensor:
+    """Plain-torch `gemv`: `F.linear`, then stock's SwiGLU for `gate_up`, or `causal_conv1d_step_ref` on the first
+    C columns for `conv` (its state updated in place)."""
+    y = torch.nn.functional.linear(x, w)
+    if conv is not None:
+        state, conv_w, conv_b = conv
+        C = state.shape[1]
+        y[:, :C] = causal_conv1d_step_ref(y[:, :C], state, conv_w, conv_b)
+    return swiglu_ref(y) if gate_up else y
+
+
+# Per (M, N, K, gate_up, dtype, device): the chosen implementation, "cublas" or a `_GEMV_CONFIGS` entry.
+_small_linear_choice: dict = {}
+_timing_failed: set = set()
+
+
+# How the candidates are timed: as the captured step runs them. Each is captured in a CUDA graph that calls it on the
+# weight and on copies of it in turn, twice over, and the graph is replayed: every call reads its weight from HBM
+# (the copies together exceed the H200's 50 MB L2, as one decode step reads each weight once), each kernel starts as
+# soon as the one before it ends, and a kernel launched with programmatic dependent launch overlaps its start with the
+# one before, as in the step. Two lone timings missed this and picked cuBLAS where the GEMV is faster in the step:
+# timed eagerly, the GPU waited for Triton's slower host launch (0.8B gate|up: cuBLAS 11.1 us in the step against the
+# GEMV's 5.8 in a graph); timed alone behind a GPU sleep with L2 flushed (H200, 2026-11-30, PERFORMANCE.md), the
+# choice flipped between processes on the 4B out and down projections, which the GEMV reads in 7.7 / 14.1 us in a
+# graph against cuBLAS's 9.8 / 16.1, and the runs that gave them to cuBLAS decoded 4B 0.1-0.25 ms slower.
+# The copies are a transient of at most this many bytes (3% of the smallest model's, 0.8B's, peak memory), held
+# only while the first decode step times its shapes.
+_TIMING_COPY_BYTES = 64 << 20
+_TIMING_REPLAYS = 5
+
+
+def _timing_weights(w: torch.Tensor) -> list[torch.Tensor]:
+    """`w` and enough copies of it that the set exceeds `_TIMING_COPY_BYTES` (at most that many bytes of copies)."""
+    return [w] + [w.clone() for _ in range(min(_TIMING_COPY_BYTES // max(w.nbytes, 1), 31))]
+
+
+_timing_streams: dict = {}
+
+
+def _timing_stream(device: int) -> "torch.cuda.Stream":
+    """One capture stream per device for `_time_in_graph_ms` (each new stream would get its own cuBLAS workspace)."""
+    if device not in _timing_streams:
+        _timing_streams[device] = torch.cuda.Stream(device)
+    return _timing_streams[device]
+
+
+
+def _time_in_graph_ms(call, weights: list[torch.Tensor], passes: int = 2) -> float:
+    """Median ms per call of `call(w)`, run over `weights` `passes` times inside one CUDA graph, over
+    `_TIMING_REPLAYS` replays (host syncs and a capture: used outside capture only). The first call of each weight
+    runs eagerly, outside the capture (compiles, autotunes; an error there propagates)."""
+    side = _timing_stream(torch.cuda.current_device())
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):  # torch.cuda.graph would also empty the allocator's cache, once per candidate
+        for w in weights:  # eager on the capture stream: cuBLAS's workspace for it is allocated here, not captured
+            call(w)
+        graph.capture_begin()
+        try:
+            for _ in range(passes):
+                for w in weights:
+                    call(w)
+        except Exception:  # end the capture without letting its "previous error during capture" hide this one
+            with contextlib.suppress(Exception):
+                graph.capture_end()
+            reset_rng_after_failed_capture()
+            raise
+        try:
+            graph.capture_end()
+        except Exception:
+            reset_rng_after_failed_capture()
+            raise
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    times = []
+    for _ in range(_TIMING_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (passes * len(weights)))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def _run_small_linear(x, w, gate_up, choice, conv=None):
+    if choice == "cublas":
+        y = torch.nn.functional.linear(x, w)
+        if conv is not None:  # the conv step in place on the first C columns: one more launch
+            C = conv[0].shape[1]
+            causal_conv1d_step(y[:, :C], *conv, out=y[:, :C])
+        return swiglu(y) if gate_up else y
+    return gemv(x, w, gate_up, choice, conv)
+
+
+def small_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    gate_up: bool = False,
+    conv: ConvStep | None = None,
+) -> torch.Tensor:
+    """The decode step's linear: `x @ w.T` ([M, K] x [N, K]), or with `gate_up` the SwiGLU of the packed gate|up
+    projection, or with `conv` (`gemv`'s argument) the DeltaNet conv step on its first C columns, by cuBLAS
+    (`F.linear`, then `swiglu` / `causal_conv1d_step`) or by `gemv` (one launch), whichever runs faster on this card
+    for this shape. The choice is timed once per shape, at its first call outside CUDA-graph capture (the decode
+    step's eager warm-up), as the captured step runs it: each candidate in a CUDA graph over the weight and copies of
+    it, weights cold in L2 (`_time_in_graph_ms`; with the conv on a copy of its state, so cuBLAS's extra conv launch
+    is timed too), and kept for the process; a shape first met inside a capture, more than 16 rows, or a weight
+    `gemv` does not take, uses cuBLAS. One decision point."""
+    key = (x.shape[0], w.shape[0], w.shape[1], gate_up, x.dtype, x.device)
+    choice = _small_linear_choice.get(key)
+    if choice is None:
+        choice = "cublas"
+        eligible = HAS_TRITON and x.is_cuda and x.shape[0] <= _GEMV_MAX_M and w.is_contiguous() and w.dtype == x.dtype
+        if eligible and not torch.cuda.is_current_stream_capturing():
+            with torch.cuda.device(x.device):  # the events must time x's device (device_map puts layers elsewhere)
+                weights = _timing_weights(w)
+                # with the conv, as it will run (cuBLAS then pays the conv step's launch), on a copy of its state
+                scratch = (conv[0].clone(), *conv[1:]) if conv is not None else None
+                timings = {}
+                for cand in ("cublas", *_GEMV_CONFIGS):
+                    try:
+                        timings[cand] = _time_in_graph_ms(
+                            lambda w_, cand=cand: _run_small_linear(x, w_, gate_up, cand, scratch), weights)
+                    except Exception as err:  # noqa: BLE001 - a candidate that fails here is not chosen, said once
+                        if cand not in _timing_failed:
+                            _timing_failed.add(cand)
+                            logging.getLogger(__name__).warning(
+                                "Qwen3.5 fused kernels: timing the decode linear candidate %s failed here (%s: %s); "
+                                "the decode step uses %s.", cand, type(err).__name__, err,
+                                "cuBLAS" if cand == "cublas" else "the other candidates")
+                del weights, scratch
+            # cuBLAS is the reference point: if it could not be timed (a capture that fails here), nothing is compared
+            choice = min(timings, key=timings.get) if "cublas" in timings else "cublas"
+        _small_linear_choice[key] = choice
+    return _run_small_linear(x, w, gate_up, choice, conv)
+
+
+def small_linear_choices() -> dict:
+    """A copy of the choices `small_linear` has made in this process: (M, N, K, gate_up, dtype, device) -> "cublas"
+    or the `gemv` config."""
+    return dict(_small_linear_choice)
+
+
+def small_linear_ref(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    gate_up: bool = False,
+    conv: ConvStep | None = None,
+) -> torch.Tensor:
+    """Plain-torch `small_linear`."""
+    return gemv_ref(x, w, gate_up, conv)
