@@ -176,7 +176,7 @@ def test_ab_decode_variant_values_may_hold_commas():
         "fused_ops_gemv._GEMV_MAX_M={'a', 'b'}", ab_decode.variant_modules())
     assert name == "v"
     assert [(c, v) for _, c, v in settings] == [("_DA_MIN_SPLIT", 32), ("PDL_ENABLED", False),
-                                                ("_STOP_CHECK_EVERY", (1, 2)), ("_GEMV_MAX_M", {"a", "b"})]
+                                                ("STOP_CHECK_EVERY", (1, 2)), ("_GEMV_MAX_M", {"a", "b"})]
 
 
 def test_ab_decode_rejects_repeated_names():
