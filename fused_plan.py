@@ -105,11 +105,11 @@ class FusedPlan:
     def _model_reason(self, text_model) -> str | None:
         if not self.fused_kernels:
             return "fused_kernels is off"
-        if self.device.type != "cuda" and not self.emulated:
-            return f"the model is on {self.device.type}"
         unavailable = None if self.emulated else kernels_available()
         if unavailable is not None:
             return unavailable
+        if self.device.type != "cuda" and not self.emulated:
+            return f"the model is on {self.device.type}"
         if text_model.training:
             return "the model is in training mode"
         return None

@@ -24,7 +24,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5TextModel,
     Qwen3_5TextRotaryEmbedding,
 )
-from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationMixin
 
 from .configuration_qwen3_5_fused import (
     SWITCHES,
@@ -208,6 +208,12 @@ class _FusedPreTrainedMixin:
         self._refresh_fused()
         return self
 
+    def set_cuda_graphs(self, enabled: bool) -> "_FusedPreTrainedMixin":
+        """Switch CUDA graphs on or off for this model (also written to its config; captured graphs are freed)."""
+        self.config.cuda_graphs = check_switch("cuda_graphs", enabled)
+        self._refresh_fused()
+        return self
+
     def describe(self) -> dict:
         """What runs fused and what falls back, per layer kind, for this model as it is now (the plan, rendered)."""
         text_model = self._text_model()
@@ -328,6 +334,8 @@ class Qwen3_5FusedTextModel(_FusedPreTrainedMixin, Qwen3_5TextModel):
         decode step on it, and a forward the plan buckets runs at its length bucket's padded shape (replayed from a
         CUDA graph once captured)."""
         kwargs = bind_forward_args(args, kwargs)
+        if torch.compiler.is_compiling():  # torch.compile traces stock's forward (the runner holds a lock, graphs)
+            return super().forward(**kwargs)
         cache = find_cache(kwargs)
         if isinstance(cache, FusedDecodeCache):
             for kw in CACHE_KWS:
@@ -339,7 +347,7 @@ class Qwen3_5FusedTextModel(_FusedPreTrainedMixin, Qwen3_5TextModel):
         return super().forward(**kwargs)
 
 
-class Qwen3_5FusedForCausalLM(_FusedPreTrainedMixin, Qwen3_5ForCausalLM):
+class Qwen3_5FusedForCausalLM(_FusedPreTrainedMixin, Qwen3_5ForCausalLM, GenerationMixin):
     config_class = Qwen3_5FusedTextConfig
     _auto_class = "AutoModelForCausalLM"
 
@@ -408,7 +416,9 @@ class Qwen3_5FusedModel(_FusedPreTrainedMixin, Qwen3_5Model):
         return self.language_model
 
 
-class Qwen3_5FusedForConditionalGeneration(_FusedPreTrainedMixin, Qwen3_5ForConditionalGeneration):
+class Qwen3_5FusedForConditionalGeneration(
+    _FusedPreTrainedMixin, Qwen3_5ForConditionalGeneration, GenerationMixin
+):
     config_class = Qwen3_5FusedConfig
     _auto_class = "AutoModelForImageTextToText"
 

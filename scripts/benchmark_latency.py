@@ -166,7 +166,7 @@ def param_counts(model) -> dict:
 
 def forward_variants(models: dict) -> list:
     """(name, model, cuda_graphs) for the forward runs: stock, the fused kernels run eagerly, and the fused forward
-    replayed from its CUDA graphs (the fused model's `cuda_graphs` switch is set per call, so one model serves both)."""
+    replayed from its CUDA graphs (the fused model's `cuda_graphs` switch is set per variant with `set_cuda_graphs`, so one model serves both)."""
     variants = [("stock", models["stock"], None)]
     if "fused" in models:
         variants += [("fused-eager", models["fused"], False), ("fused", models["fused"], True)]
@@ -179,11 +179,11 @@ def graphs_switch(model, graphs):
         yield
         return
     saved = model.config.cuda_graphs
-    model.config.cuda_graphs = graphs
+    model.set_cuda_graphs(graphs)
     try:
         yield
     finally:
-        model.config.cuda_graphs = saved
+        model.set_cuda_graphs(saved)
 
 
 def scoring_forward(model, graphs, ids, device):
@@ -291,7 +291,7 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
     for name, model, graphs in variants:
         if graphs is not None:
             saved = model.config.cuda_graphs
-            model.config.cuda_graphs = graphs
+            model.set_cuda_graphs(graphs)
         if name == "fused-no-pdl":  # new graphs, captured with PDL off (a launch option, read at capture)
             fused_ops_runtime.PDL_ENABLED = False
             model.set_fused_kernels(False).set_fused_kernels(True)
@@ -333,7 +333,7 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
         if device.type == "cuda":
             out[name]["peak_bytes"] = peak
         if graphs is not None:
-            model.config.cuda_graphs = saved
+            model.set_cuda_graphs(saved)
             decode = model.describe()["decode"]
             out[name]["cache_bytes"] = max((b["cache_bytes"] for b in decode["buckets"] if b["batch"] == batch),
                                            default=0)
@@ -401,7 +401,7 @@ def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, d
     for name, model, graphs in variants:
         if graphs is not None:
             saved = model.config.cuda_graphs
-            model.config.cuda_graphs = graphs
+            model.set_cuda_graphs(graphs)
         stats = {}
         for n in (1, new_tokens):
             with torch.inference_mode():
@@ -413,7 +413,7 @@ def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, d
             gpu = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
             stats[n] = (sum(e.count for e in gpu), sum(e.self_device_time_total for e in gpu), gpu)
         if graphs is not None:
-            model.config.cuda_graphs = saved
+            model.set_cuda_graphs(saved)
         (k1, t1, _), (kn, tn, gpu) = stats[1], stats[new_tokens]
         per = new_tokens - 1
         top = sorted(gpu, key=lambda e: -e.self_device_time_total)[:rows]

@@ -84,6 +84,8 @@ def torch_linear_attention():
     installed; those are Triton/CUDA kernels and fail on CPU tensors. The repo's modeling file has the context
     manager that routes them back to torch (its CPU fallback uses it); this is that one.
     """
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
     from scripts.common import import_module
 
     return import_module("fused_compat").torch_reference_kernels()

@@ -75,6 +75,17 @@ def test_explicit_false_from_the_caller_beats_the_environment(monkeypatch, tmp_p
     assert on.set_fused_kernels(False).fused_plan.fused_kernels is False
 
 
+def test_switches_are_read_once_and_set_by_method():
+    """The plan is resolved when the model is built, moved or switched, not per call: editing the config later does
+    nothing until a switch method (which also validates) is called."""
+    model = modeling.Qwen3_5FusedForCausalLM(fused_text_config())
+    model.config.cuda_graphs = False
+    assert model.fused_plan.cuda_graphs is True
+    assert model.set_cuda_graphs(False).fused_plan.cuda_graphs is False and model.config.cuda_graphs is False
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        model.set_cuda_graphs("off")
+
+
 @pytest.mark.parametrize("var", ["QWEN3_5_FUSED_KERNELS", "QWEN3_5_CUDA_GRAPHS"])
 def test_environment_values_are_validated_at_load(monkeypatch, tmp_path, var):
     _, fused = stock_and_fused_lm(fused_kernels=True)

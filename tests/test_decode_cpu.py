@@ -551,7 +551,7 @@ def test_step_rope_calls_a_dynamic_rotary_as_it_is():
     before = positions.clone()
     h = torch.zeros(2, 1, 64)
     want_cos, want_sin = rot(h, before)
-    state = _Positions(None, positions)
+    state = _Positions(None, positions, fused_ops.mrope_step_ref)
     cos, sin = decode.DecodeState._step_rope(state, rot, h)
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert torch.equal(positions, before + 1)

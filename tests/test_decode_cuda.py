@@ -65,7 +65,7 @@ def _check_steps(a, b, bound, upto=None):
 @pytest.mark.parametrize("batch,padding", [(1, None), (4, "left")], ids=["b1", "b4-left"])
 def test_random_fp32_128_tokens_identical(batch, padding, graphs):
     stock, fused = _pair(torch.float32)
-    fused.config.cuda_graphs = graphs
+    fused.set_cuda_graphs(graphs)
     ids, mask = padded_batch(batch, 21, padding)
     a = _generate(stock, ids, mask, max_new_tokens=128)
     b = _generate(fused, ids, mask, max_new_tokens=128)
@@ -101,9 +101,9 @@ def test_trained_bf16_logits_within_bound_until_divergence():
 def test_graph_replay_equals_eager_step_bf16():
     _, fused = _pair(torch.bfloat16)
     ids, mask = padded_batch(2, 9, "left")
-    fused.config.cuda_graphs = False
+    fused.set_cuda_graphs(False)
     eager = _generate(fused, ids, mask, max_new_tokens=40)
-    fused.config.cuda_graphs = True
+    fused.set_cuda_graphs(True)
     graph = _generate(fused, ids, mask, max_new_tokens=40)
     assert torch.equal(eager.sequences, graph.sequences)
     for x, y in zip(graph.scores, eager.scores):

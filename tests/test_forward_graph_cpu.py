@@ -165,8 +165,7 @@ def test_uncovered_calls_run_eagerly_said_once(kwargs, reason, caplog):
 def test_graphs_off_or_grad_enabled_stay_eager_and_quiet(caplog):
     _, fused = stock_and_fused_lm()
     ids = torch.randint(3, 200, (1, 7), generator=torch.Generator().manual_seed(4))
-    fused.config.cuda_graphs = False
-    fused._refresh_fused()
+    fused.set_cuda_graphs(False)
     with torch.no_grad(), caplog.at_level(logging.WARNING):
         for _ in range(3):
             fused(ids, use_cache=False)

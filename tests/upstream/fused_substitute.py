@@ -103,6 +103,12 @@ def substitute() -> dict:
     replacements.update({name: classes[fused] for name, fused in MODEL_NAMES.items()})
     _install(replacements)
     done = {name: f"{cls.__module__}.{cls.__qualname__}" for name, cls in replacements.items()}
+    # The upstream tester infers the classes it is not given from the base class's package by name
+    # (`Qwen3_5FusedTextModel` -> `<package>.Qwen3_5FusedTextConfig`): the repo's package answers with the classes
+    # above (the configs defaulting to fused_kernels=True).
+    package = sys.modules[classes["Qwen3_5FusedTextModel"].__module__.rpartition(".")[0]]
+    for name, cls in {**classes, text_config.__name__: text_config, composite_config.__name__: composite_config}.items():
+        setattr(package, name, cls)
 
     for config in (text_config, composite_config):
         transformers.AutoConfig.register(config.model_type, config, exist_ok=True)
