@@ -209,3 +209,26 @@ def test_failed_capture_leaves_random_ops_usable(caplog):
         import_module("fused_ops_gemv")._time_in_graph_ms(lambda w_: w_ * float(w_.sum().item()), [w])
     assert "previous error" not in str(info.value)
     torch.rand(5, device="cuda")
+
+
+@pytest.mark.cuda
+def test_repeat_calls_give_the_same_tokens_and_logits_at_real_shapes():
+    """The same greedy `generate` and the same forward, three times in one process, give the same tokens and logits:
+    the first call of a bucket computes at the padded shape the later replays use (4B head and projection shapes,
+    4 layers, bf16, where a GEMM over another row count rounds differently)."""
+    from scripts.common import real_text_kwargs
+
+    torch.manual_seed(0)
+    config = modeling.Qwen3_5FusedTextConfig(**real_text_kwargs("4B", num_hidden_layers=4), fused_kernels=True)
+    with torch.device("cuda"):
+        fused = modeling.Qwen3_5FusedForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(3, 200_000, (1, 77), device="cuda")
+    with torch.inference_mode():
+        runs = [fused.generate(input_ids=ids, max_new_tokens=32, do_sample=False, return_dict_in_generate=True,
+                               output_logits=True) for _ in range(3)]
+        forwards = [fused(input_ids=ids, use_cache=False).logits for _ in range(3)]
+    for run in runs[1:]:
+        assert torch.equal(run.sequences, runs[0].sequences)
+        assert all(torch.equal(a, b) for a, b in zip(run.logits, runs[0].logits))
+    assert all(torch.equal(f, forwards[0]) for f in forwards[1:])
+    assert fused.describe()["decode"]["buckets"][0]["prompt_buckets_captured"]  # the later calls were replays
