@@ -95,9 +95,10 @@ class FusedPlan:
         if fused and deltanet_act not in SWIGLU_ACTS:
             self.kind_reasons["linear_attention"] = f"the DeltaNet activation is {deltanet_act!r} (fused: silu)"
         self.graphs, self.graphs_reason = self._graphs()
-        # forwards and prompts run at their bucket's padded shape (captured on CUDA; the CPU emulation runs the same
-        # padded shapes eagerly, so the tests cover the padding)
-        self.buckets = self.graphs or (self.emulated and self.cuda_graphs and not self.multi_device and fused)
+        # Forwards and prompts run at their bucket's padded shape whenever the fused path runs on one device, graphs
+        # or not (captured on CUDA with cuda_graphs on): the same call gives the same numbers whatever the switch,
+        # first call or replay. The CPU emulation runs the same padded shapes eagerly, so the tests cover them.
+        self.buckets = fused and not self.multi_device
         self.decode_reason = self.reason or self.kind_reasons["linear_attention"] or GENERATE_HOOKS_REASON
         self.pdl = fused and pdl_enabled(self.device)
         return self
@@ -122,7 +123,7 @@ class FusedPlan:
         if self.multi_device:
             return False, "the model is split over several devices (device_map); one graph cannot span devices"
         if self.device.type != "cuda":
-            return False, f"the model is on {self.device.type} (the emulation runs the same padded shapes eagerly)"
+            return False, f"the model is on {self.device.type}"
         return True, None
 
     @property

@@ -209,9 +209,11 @@ class _FusedPreTrainedMixin:
         return self
 
     def set_cuda_graphs(self, enabled: bool) -> "_FusedPreTrainedMixin":
-        """Switch CUDA graphs on or off for this model (also written to its config; captured graphs are freed)."""
-        self.config.cuda_graphs = check_switch("cuda_graphs", enabled)
-        self._refresh_fused()
+        """Switch CUDA graphs on or off for this model (also written to its config; a change frees the captured
+        graphs, setting the value it has is free)."""
+        if check_switch("cuda_graphs", enabled) is not self.config.cuda_graphs:
+            self.config.cuda_graphs = enabled
+            self._refresh_fused()
         return self
 
     def describe(self) -> dict:

@@ -162,13 +162,20 @@ def test_uncovered_calls_run_eagerly_said_once(kwargs, reason, caplog):
         assert rel_err(out.logits, ref.logits) <= BOUND
 
 
-def test_graphs_off_or_grad_enabled_stay_eager_and_quiet(caplog):
+def test_graphs_off_keeps_the_padded_shape_and_grad_enabled_stays_unbucketed(caplog):
+    """With cuda_graphs off the forward still runs at its bucket's padded shape (the numbers do not depend on the
+    switch) and nothing is captured; a forward that records gradients is not bucketed at all; neither logs."""
     _, fused = stock_and_fused_lm()
     ids = torch.randint(3, 200, (1, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        on = fused(ids, use_cache=False).logits
     fused.set_cuda_graphs(False)
     with torch.no_grad(), caplog.at_level(logging.WARNING):
-        for _ in range(3):
-            fused(ids, use_cache=False)
+        offs = [fused(ids, use_cache=False).logits for _ in range(3)]
+    (entry,) = _graphs(fused).values()
+    assert entry.graph is None and all(torch.equal(off, on) for off in offs)
+    fused.set_cuda_graphs(True)
+    fused(ids, use_cache=False)  # gradients on: the stock code, no bucket
     assert not _graphs(fused)
     assert not [r for r in caplog.records if "CUDA graphs" in r.getMessage()]
 
