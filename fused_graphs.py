@@ -158,10 +158,11 @@ class ForwardGraph:
         kw = {"inputs_embeds" if self.embeds else "input_ids": self.inputs}
         return Qwen3_5TextModel.forward(text_model, **kw, attention_mask=self.masks, use_cache=False).last_hidden_state
 
-    def run(self, text_model, x: torch.Tensor, pool, capture: bool) -> torch.Tensor | None:
-        """The hidden states [B, T, hidden] for ``x`` [B, T] (or [B, T, hidden]): replayed when captured; else run
-        eagerly at the bucket's padded shape (the same kernels and shapes as the replay, so the same numbers), and
-        captured when ``capture``. None after a failed capture (the caller runs the eager forward)."""
+    def run(self, text_model, x: torch.Tensor, pool, capture: bool, replay: bool = True) -> torch.Tensor | None:
+        """The hidden states [B, T, hidden] for ``x`` [B, T] (or [B, T, hidden]): replayed when captured and
+        ``replay`` (graphs on); else run eagerly at the bucket's padded shape (the same kernels and shapes as the
+        replay, so the same numbers), and captured when ``capture``. None after a failed capture (the caller runs the
+        eager forward)."""
         seq_len = x.shape[1]
         self.inputs[:, :seq_len].copy_(x)
         if self.masks is None:
@@ -173,7 +174,7 @@ class ForwardGraph:
                 return None
             self.graph, self.out = captured
             self.weights = WeightsSnapshot(text_model)
-        if self.graph:
+        if self.graph and replay:
             self.graph.replay()
             return self.out[:, :seq_len].clone()
         return self._forward(text_model)[:, :seq_len].clone()
@@ -228,9 +229,10 @@ class PrefillGraph:
                 text_model, input_ids=self.ids, attention_mask=self.mask, position_ids=self.positions, use_cache=False
             ).last_hidden_state
 
-    def run(self, text_model, cache, pool, capture: bool) -> torch.Tensor | None:
+    def run(self, text_model, cache, pool, capture: bool, replay: bool = True) -> torch.Tensor | None:
         """The padded prompt's hidden states [B, L, hidden], its state written into ``cache``: replayed when
-        captured, else eagerly at the padded shape (captured when ``capture``). None after a failed capture."""
+        captured and ``replay``, else eagerly at the padded shape (captured when ``capture``). None after a failed
+        capture."""
         if self.graph is None and capture and self.ids.device.type == "cuda":
             captured = capture_graph(text_model, lambda: self._forward(text_model, cache), pool, "prompt (prefill)")
             if captured is None:
@@ -238,7 +240,7 @@ class PrefillGraph:
                 return None
             self.graph, self.out = captured
             self.weights = WeightsSnapshot(text_model)
-        if self.graph:
+        if self.graph and replay:
             self.graph.replay()
             return self.out
         return self._forward(text_model, cache)

@@ -57,13 +57,13 @@ class MaskedForwardGraph:
     def weights(self):
         return self.prefill.weights
 
-    def run(self, text_model, input_ids, attention_mask, position_ids, pool, capture: bool):
+    def run(self, text_model, input_ids, attention_mask, position_ids, pool, capture: bool, replay: bool):
         pad = self.prefill.load(input_ids, attention_mask, position_ids)
         writer = None
         if self.state is not None:
             layer_types = text_model.config.layer_types[: text_model.config.num_hidden_layers]
             writer = FusedDecodeCache(self.state, layer_types, use_graph=False)
-        hidden = self.prefill.run(text_model, writer, pool, capture)
+        hidden = self.prefill.run(text_model, writer, pool, capture, replay)
         if hidden is None:
             return None
         hidden = hidden[:, pad:].clone()
@@ -242,7 +242,8 @@ class FusedRunner:
             graph.drop()  # a weight moved since the capture: capture again
         st.prefill_calls[length] = st.prefill_calls.get(length, 0) + 1
         pad = graph.load(input_ids, attention_mask, position_ids)
-        hidden = graph.run(text_model, cache, self.pool(), capture=st.prefill_calls[length] >= CAPTURE_AFTER)
+        capture = self.plan.graphs and st.prefill_calls[length] >= CAPTURE_AFTER
+        hidden = graph.run(text_model, cache, self.pool(), capture, replay=self.plan.graphs)
         if hidden is None:
             return None  # capture failed (announced): this prompt runs eagerly at its own length
         st.key_valid.zero_()
@@ -355,12 +356,15 @@ class FusedRunner:
         calls = self.forward_calls[key] = self.forward_calls.pop(key, 0) + 1
         while len(self.forward_calls) > 4 * MAX_FORWARD_GRAPHS:  # the counts of the least recently seen keys go
             self.forward_calls.pop(next(iter(self.forward_calls)))
-        capture = calls >= CAPTURE_AFTER
+        # captured on the bucket's second call with graphs on; a graph captured earlier is kept while graphs are
+        # switched off (not replayed) and replayed again once they are back on
+        graphs = self.plan.graphs
+        capture = graphs and calls >= CAPTURE_AFTER
         if path == "right":
-            hidden, cache = entry.run(text_model, x, self.pool(), capture), None
+            hidden, cache = entry.run(text_model, x, self.pool(), capture, graphs), None
         else:
             out = entry.run(text_model, ids, kwargs.get("attention_mask"), kwargs.get("position_ids"), self.pool(),
-                            capture)
+                            capture, graphs)
             hidden, cache = out if out is not None else (None, None)
         if hidden is None:
             return None

@@ -209,11 +209,12 @@ class _FusedPreTrainedMixin:
         return self
 
     def set_cuda_graphs(self, enabled: bool) -> "_FusedPreTrainedMixin":
-        """Switch CUDA graphs on or off for this model (also written to its config; a change frees the captured
-        graphs, setting the value it has is free)."""
-        if check_switch("cuda_graphs", enabled) is not self.config.cuda_graphs:
-            self.config.cuda_graphs = enabled
-            self._refresh_fused()
+        """Switch CUDA graphs on or off for this model (also written to its config). Graphs captured before are
+        kept while off (not replayed) and replayed again when switched back on."""
+        self.config.cuda_graphs = check_switch("cuda_graphs", enabled)
+        _sync_switches(self.config)
+        text_model = self._text_model()
+        text_model.plan.resolve(text_model)
         return self
 
     def describe(self) -> dict:

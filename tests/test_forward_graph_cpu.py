@@ -172,11 +172,12 @@ def test_graphs_off_keeps_the_padded_shape_and_grad_enabled_stays_unbucketed(cap
     fused.set_cuda_graphs(False)
     with torch.no_grad(), caplog.at_level(logging.WARNING):
         offs = [fused(ids, use_cache=False).logits for _ in range(3)]
-    (entry,) = _graphs(fused).values()
+    (entry,) = _graphs(fused).values()  # the bucket stays across the switch (its graph, on a GPU, too)
     assert entry.graph is None and all(torch.equal(off, on) for off in offs)
     fused.set_cuda_graphs(True)
-    fused(ids, use_cache=False)  # gradients on: the stock code, no bucket
-    assert not _graphs(fused)
+    assert list(_graphs(fused).values()) == [entry]
+    fused(torch.randint(3, 200, (1, 100)), use_cache=False)  # gradients on: the stock code, no bucket of its own
+    assert list(_graphs(fused).values()) == [entry]
     assert not [r for r in caplog.records if "CUDA graphs" in r.getMessage()]
 
 
