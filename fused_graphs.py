@@ -113,7 +113,30 @@ class LRU:
         return list(self.entries.items())
 
 
-class ForwardGraph:
+class _Captured:
+    """A forward run at fixed shapes and addresses, captured once into a CUDA graph and replayed."""
+
+    graph = None  # torch.cuda.CUDAGraph once captured; False after a failed capture (eager from then on)
+    out = None
+    weights = None
+
+    def _graphed(self, text_model, forward, pool, capture: bool, replay: bool, what: str):
+        """``forward()``'s output: replayed when captured and ``replay``; else run eagerly (captured first when
+        ``capture``, on CUDA). None right after a failed capture (announced; the caller runs eagerly)."""
+        if self.graph is None and capture and self.device.type == "cuda":
+            captured = capture_graph(text_model, forward, pool, what)
+            if captured is None:
+                self.graph = False
+                return None
+            self.graph, self.out = captured
+            self.weights = WeightsSnapshot(text_model)
+        if self.graph and replay:
+            self.graph.replay()
+            return self.out
+        return forward()
+
+
+class ForwardGraph(_Captured):
     """One captured no-cache forward of the text backbone, for one (batch, length bucket, input kind).
 
     ``inputs``: ``[B, L]`` token ids or ``[B, L, hidden]`` embeddings at a fixed address; the caller's ``[B, T]``
@@ -130,9 +153,7 @@ class ForwardGraph:
             else:
                 self.inputs = torch.zeros(batch, length, dtype=torch.long, device=weight.device)
         self.embeds = embeds
-        self.graph = None
-        self.out = None
-        self.weights = None
+        self.device = weight.device
         self.masks = None
 
     def _build_masks(self, text_model) -> dict:
@@ -167,23 +188,14 @@ class ForwardGraph:
         self.inputs[:, :seq_len].copy_(x)
         if self.masks is None:
             self.masks = self._build_masks(text_model)
-        if self.graph is None and capture and self.inputs.device.type == "cuda":
-            captured = capture_graph(text_model, lambda: self._forward(text_model), pool, "forward")
-            if captured is None:
-                self.graph = False
-                return None
-            self.graph, self.out = captured
-            self.weights = WeightsSnapshot(text_model)
-        if self.graph and replay:
-            self.graph.replay()
-            return self.out[:, :seq_len].clone()
-        return self._forward(text_model)[:, :seq_len].clone()
+        out = self._graphed(text_model, lambda: self._forward(text_model), pool, capture, replay, "forward")
+        return None if out is None else out[:, :seq_len].clone()
 
     def drop(self) -> None:
         self.graph = self.out = self.masks = None
 
 
-class PrefillGraph:
+class PrefillGraph(_Captured):
     """A prompt forward captured per (batch, length bucket): the prompt LEFT-padded to the bucket with masked
     positions (attention mask 0; ``ids``, ``mask``, ``positions`` [B, L] at fixed addresses), the layers writing
     their state into a decode cache (:func:`prefill_into`).
@@ -202,9 +214,7 @@ class PrefillGraph:
             self.positions = torch.zeros(shape, dtype=torch.long, device=device)
             self.arange = torch.arange(length, device=device)
         self.length = length
-        self.graph = None
-        self.out = None
-        self.weights = None
+        self.device = torch.device(device)
 
     def load(self, input_ids, attention_mask, position_ids) -> int:
         """Copy the prompt [B, T] into the buffers' tail; returns the left padding L - T."""
@@ -233,17 +243,8 @@ class PrefillGraph:
         """The padded prompt's hidden states [B, L, hidden], its state written into ``cache``: replayed when
         captured and ``replay``, else eagerly at the padded shape (captured when ``capture``). None after a failed
         capture."""
-        if self.graph is None and capture and self.ids.device.type == "cuda":
-            captured = capture_graph(text_model, lambda: self._forward(text_model, cache), pool, "prompt (prefill)")
-            if captured is None:
-                self.graph = False
-                return None
-            self.graph, self.out = captured
-            self.weights = WeightsSnapshot(text_model)
-        if self.graph and replay:
-            self.graph.replay()
-            return self.out
-        return self._forward(text_model, cache)
+        return self._graphed(text_model, lambda: self._forward(text_model, cache), pool, capture, replay,
+                             "prompt (prefill)")
 
     def drop(self) -> None:
         self.graph = self.out = None
