@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import compat, graphs, layers, runner_mod  # the repo modules these tests reach into
-from helpers import BOUNDS, cache_of, cuda_pair, modeling, new_weights, rel_err, run_stock, stock_and_fused_lm
+from helpers import BOUNDS, cache_of, cuda_pair, new_weights, rel_err, run_stock, stock_and_fused_lm
 from helpers import cpu_emulated, fused_on_cpu  # noqa: F401 - the fixture, used by every @cpu_emulated test
 
 EMULATED_BOUND = BOUNDS["cpu_emulation"]

@@ -24,7 +24,6 @@ from helpers import (
     composite_kwargs,
     configuration,
     emulate_fused_on_cpu,
-    fused_ops,
     generate_stock,
     modeling,
     padded_batch,
