@@ -160,7 +160,7 @@ FP32_MERGE_BOUND = 1e-5
 # moves the logits by the whole adapter effect, which verification.json records next to the bound.
 ROUNDING_FACTOR = 2.0
 # Fused (trust_remote_code) vs stock class on the same weights, float32. On CPU the fused classes run the stock code,
-# so the logits are bit-identical (tests/test_hub_loading.py checks the same).
+# so the logits are bit-identical (tests/packaging/test_hub_loading.py checks the same).
 FUSED_VS_STOCK_BOUND = {"cpu": 0.0}
 # On a GPU the fused kernels sum in another order, and Triton runs fp32 `tl.dot` in TF32 by default, which fla's
 # chunked delta rule (stock and fused alike) amplifies: fp32 fused vs stock logits measured 8e-5 to 1.2e-4 on an H200

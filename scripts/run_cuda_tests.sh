@@ -2,7 +2,7 @@
 # The CUDA tests split over several pytest processes on one machine (one GPU is enough).
 #
 #   bash scripts/run_cuda_tests.sh                      # every CUDA test of tests/, 12 processes
-#   SHARDS=4 CAP=300 bash scripts/run_cuda_tests.sh tests/test_decode_ops.py
+#   SHARDS=4 CAP=300 bash scripts/run_cuda_tests.sh tests/ops/test_decode_ops.py   # one file, or a folder: tests/ops
 #
 # In one process the CUDA suite takes well over 20 minutes on an H200, mostly Triton compiling the kernels of each
 # test case on one CPU core; N processes spread those compiles over N cores. The test ids that `-m MARK` collects

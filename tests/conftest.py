@@ -13,9 +13,13 @@ from pathlib import Path
 
 import pytest
 
+# The repo root (for `scripts.common` and the remote code) and tests/ itself (for `helpers`, one module for every test
+# folder: tests/ops, tests/model, tests/packaging) go first on sys.path.
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+TESTS = Path(__file__).resolve().parent
+for _path in (TESTS, REPO):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 try:
     import torch

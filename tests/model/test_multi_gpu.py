@@ -1,11 +1,12 @@
 """A model dispatched over two GPUs with ``device_map`` (accelerate), fused kernels on (issue 7).
 
-Run on a machine with two GPUs (the ``nvidia-h200-x2`` kind): ``python -m pytest -m cuda -q tests/test_multi_gpu_cuda.py``.
+Run on a machine with two GPUs (the ``nvidia-h200-x2`` kind):
+``python -m pytest -m cuda -q tests/model/test_multi_gpu.py``.
 An 8-layer random model (two 3:1 groups) is saved, then loaded with its first half on ``cuda:0`` and the second
 half, the final norm and the LM head on ``cuda:1``. Each layer runs its fused path on its own device; the fused
 decode step follows the layers across devices without CUDA graphs (said once), and the forward is not captured.
 The last test loads with ``device_map="auto"`` itself (the split accelerate infers; that it never cuts a decoder
-layer is also checked on CPU in ``test_model_cpu.py``).
+layer is also checked on CPU in ``test_model.py``).
 """
 
 import logging

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.common import import_module  # noqa: E402
 
 repo_id, auto_name = sys.argv[1], sys.argv[2]

@@ -12,7 +12,7 @@ import torch
 
 from helpers import AUTO_MAP_COMPOSITE, AUTO_MAP_TEXT, CODE_FILES, composite_kwargs, configuration, make_hub_snapshot, modeling, offline_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("hub_load_probe.py")
 
 

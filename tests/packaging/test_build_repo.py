@@ -18,7 +18,7 @@ from helpers import composite_kwargs, make_hub_snapshot, offline_env, stock_text
 from scripts import build_repo, push_to_hub
 from scripts.common import code_files
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("hub_load_probe.py")
 TEXT_TARGETS = ["q_proj", "v_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj", "down_proj"]
 LORA_R, LORA_ALPHA = 4, 8
@@ -294,7 +294,7 @@ def test_layout_detection():
 
 
 def test_built_repos_load_by_id_offline(text_build, composite_build, tmp_path):
-    """One subprocess (imports are slow) runs tests/hub_load_probe.py for each repo id: trust_remote_code loads the
+    """One subprocess (imports are slow) runs tests/packaging/hub_load_probe.py for each repo id: trust_remote_code loads the
     fused class, without it the stock class; both without missing keys and with the same logits."""
     make_hub_snapshot(text_build[0], tmp_path / "hub", "test-org/tiny-fused")
     make_hub_snapshot(composite_build[0], tmp_path / "hub", "test-org/tiny-vl-fused")

@@ -2,9 +2,9 @@
 
 CPU tests run the Triton kernels under the interpreter (`TRITON_INTERPRET=1`, set in conftest.py), which costs
 about 20-40 ms per program, so their shapes are tiny (the whole file takes about 30 s). The `@pytest.mark.cuda` tests
-run the real head shapes on a GPU: `python -m pytest tests/test_fused_ops.py -m cuda`.
+run the real head shapes on a GPU: `python -m pytest tests/ops/test_fused_ops.py -m cuda`.
 
-Error bounds (relative, `rel_err` below), and why:
+Error bounds (relative, `helpers.rel_err`; `BOUNDS["kernel"]` in helpers.py), and why:
 - fp32 <= 1e-6: the kernels sum squares in another order than torch and, on the GPU, use approximate rsqrt / exp /
   division; that moves results by a few fp32 units in the last place (~1e-7).
 - bf16 <= 1e-2, fp16 <= 1e-3: the kernels round to the dtype at every step where stock does, so the only
@@ -23,8 +23,8 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import DTYPE_IDS, DTYPES, compile_for_sm90, needs_interpreter
-from scripts.common import import_module
+from helpers import BOUNDS, DTYPE_IDS, DTYPES, assert_close, assert_exact, compile_for_sm90, fused_ops
+from helpers import needs_interpreter
 from transformers import AttentionInterface
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
@@ -34,9 +34,8 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5TextRotaryEmbedding,
 )
 
-fused_ops = import_module("fused_ops")
-REPO = Path(__file__).resolve().parents[1]
-BOUND = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+REPO = Path(__file__).resolve().parents[2]
+BOUND = BOUNDS["kernel"]
 EPS = 1e-6
 
 
@@ -44,25 +43,6 @@ EPS = 1e-6
 def _needs_triton(request):
     if not fused_ops.HAS_TRITON and request.node.originalname != "test_import_without_triton":
         pytest.skip("triton is not installed")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b||, in float64."""
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def assert_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
-    assert not got.isnan().any(), f"{name}: NaN in the output (an element was never written?)"
-    err = rel_err(got, want)
-    assert err <= BOUND[want.dtype], f"{name}: rel_err {err:.3g} > {BOUND[want.dtype]:g} ({want.dtype})"
-
-
-def assert_exact(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert torch.equal(got, want), f"{name}: not bit-exact, max abs diff {(got.double() - want.double()).abs().max()}"
 
 
 def poison(device, *shapes_dtypes) -> None:
@@ -167,8 +147,8 @@ def check_rms_norm(device, dtype, B, T, N, residual=False, row_pad=0, weight_dty
     else:
         y, y_ref = out, ref
     assert y.is_contiguous()
-    assert_close("y vs stock Qwen3_5RMSNorm", y, y_stock)
-    assert_close("y vs rms_norm_ref", y, y_ref)
+    assert_close("y vs stock Qwen3_5RMSNorm", y, y_stock, BOUND)
+    assert_close("y vs rms_norm_ref", y, y_ref, BOUND)
 
 
 def check_attn_prep(device, dtype, B, T, H, KV, D, R, row_pad=0, cos_batch1=False, hidden=None):
@@ -196,12 +176,12 @@ def check_attn_prep(device, dtype, B, T, H, KV, D, R, row_pad=0, cos_batch1=Fals
         # stock hands attention v as this view too (q and k it hands as contiguous [B, heads, T, D] copies)
         assert got.transpose(1, 2).is_contiguous(), f"{name}: not a transpose(1, 2) view of [B, T, heads, D]"
     assert gate.shape == (B, T, H * D) and gate.is_contiguous()
-    assert_close("q vs stock", q, _captured["q"])
-    assert_close("k vs stock", k, _captured["k"])
+    assert_close("q vs stock", q, _captured["q"], BOUND)
+    assert_close("k vs stock", k, _captured["k"], BOUND)
     assert_exact("v vs stock", v, _captured["v"])
     assert_exact("gate vs stock", gate, gate_stock)
-    assert_close("q vs attn_prep_ref", q, q_ref)
-    assert_close("k vs attn_prep_ref", k, k_ref)
+    assert_close("q vs attn_prep_ref", q, q_ref, BOUND)
+    assert_close("k vs attn_prep_ref", k, k_ref, BOUND)
     assert_exact("v vs attn_prep_ref", v, v_ref)
     assert_exact("gate vs attn_prep_ref", gate, gate_ref)
 
@@ -230,7 +210,7 @@ def check_attn_prep_into_cache(device, dtype, B, H, KV, D, R, L, slot, hidden=No
     assert_exact("keys", keys, expect_k)
     assert_exact("values", values, expect_v)
     fused_ops.attn_prep_ref(*args, kv_cache=(keys_ref, values_ref, slot_t))
-    assert_close("keys vs attn_prep_ref", keys, keys_ref)
+    assert_close("keys vs attn_prep_ref", keys, keys_ref, BOUND)
     assert_exact("values vs attn_prep_ref", values, values_ref)
 
 
@@ -262,8 +242,8 @@ def check_sigmoid_gate_mul(device, dtype, B, T, H, D, o_layout="bhtd", gate_pad=
     poison(device, ((B, T, H * D), dtype))
     y = fused_ops.sigmoid_gate_mul(o_in, gate)
     assert y.is_contiguous()
-    assert_close("y vs stock o * sigmoid(gate)", y, y_stock)
-    assert_close("y vs sigmoid_gate_mul_ref", y, fused_ops.sigmoid_gate_mul_ref(o_in, gate))
+    assert_close("y vs stock o * sigmoid(gate)", y, y_stock, BOUND)
+    assert_close("y vs sigmoid_gate_mul_ref", y, fused_ops.sigmoid_gate_mul_ref(o_in, gate), BOUND)
 
 
 def check_swiglu(device, dtype, B, T, hidden, I, row_pad=0):
@@ -281,8 +261,8 @@ def check_swiglu(device, dtype, B, T, hidden, I, row_pad=0):
     poison(device, ((B, T, I), dtype))
     y = fused_ops.swiglu(gu)
     assert y.is_contiguous()
-    assert_close("y vs stock Qwen3_5MLP", y, y_stock)
-    assert_close("y vs swiglu_ref", y, fused_ops.swiglu_ref(gu))
+    assert_close("y vs stock Qwen3_5MLP", y, y_stock, BOUND)
+    assert_close("y vs swiglu_ref", y, fused_ops.swiglu_ref(gu), BOUND)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -304,30 +284,30 @@ def test_rms_norm_cpu(dtype, B, T, N):
 @pytest.mark.parametrize(
     "B, T, N, row_pad", [(1, 1, 64, 0), (2, 7, 40, 24)], ids=["B1-T1-N64", "B2-T7-N40-rowpad24"]
 )
-def test_rms_norm_residual_cpu(dtype, B, T, N, row_pad):
+def test_rms_norm_residual(dtype, B, T, N, row_pad):
     check_rms_norm("cpu", dtype, B, T, N, residual=True, row_pad=row_pad)
 
 
 @needs_interpreter
-def test_rms_norm_t129_cpu():
+def test_rms_norm_t129():
     check_rms_norm("cpu", torch.bfloat16, 1, 129, 32, residual=True)
 
 
 @needs_interpreter
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float16], ids=["w-fp32", "w-fp16"])
-def test_rms_norm_weight_dtype_cpu(weight_dtype):
+def test_rms_norm_weight_dtype(weight_dtype):
     check_rms_norm("cpu", torch.bfloat16, 1, 5, 96, weight_dtype=weight_dtype)
 
 
 @needs_interpreter
-def test_rms_norm_1d_and_2d_views_cpu():
+def test_rms_norm_1d_and_2d_views():
     torch.manual_seed(0)
     w = torch.randn(80) * 0.1
     x = torch.randn(80, dtype=torch.bfloat16)
-    assert_close("1-D x", fused_ops.rms_norm(x, w, EPS), fused_ops.rms_norm_ref(x, w, EPS))
+    assert_close("1-D x", fused_ops.rms_norm(x, w, EPS), fused_ops.rms_norm_ref(x, w, EPS), BOUND)
     buf = torch.randn(5, 3 * 80, dtype=torch.bfloat16)
     x2 = buf[:, 80:160]  # [5, 80], row stride 240
-    assert_close("2-D strided x", fused_ops.rms_norm(x2, w, EPS), fused_ops.rms_norm_ref(x2, w, EPS))
+    assert_close("2-D strided x", fused_ops.rms_norm(x2, w, EPS), fused_ops.rms_norm_ref(x2, w, EPS), BOUND)
 
 
 @needs_interpreter
@@ -368,17 +348,17 @@ def test_swiglu_cpu(dtype, B, T, hidden, I, row_pad):
 
 
 @needs_interpreter
-def test_swiglu_t129_cpu():
+def test_swiglu_t129():
     check_swiglu("cpu", torch.bfloat16, 1, 129, 16, 24)
 
 
 @needs_interpreter
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy exp, on purpose
-def test_swiglu_large_values_cpu():
+def test_swiglu_large_values():
     """silu of large |g| (exp overflow to inf for g << 0) must give 0 and g, like torch."""
     gu = torch.tensor([[-1e4, -90.0, 0.0, 90.0, 1e4, 2.0, 2.0, 2.0, 2.0, 2.0]], dtype=torch.float32)
     y = fused_ops.swiglu(gu)
-    assert_close("y", y, fused_ops.swiglu_ref(gu))
+    assert_close("y", y, fused_ops.swiglu_ref(gu), BOUND)
 
 
 def test_empty_inputs_cpu():
@@ -534,7 +514,7 @@ def test_attn_prep_cuda(dtype, B, T, H, KV, hidden):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("T", [1, 129], ids=lambda t: f"T{t}")
-def test_attn_prep_broadcast_cos_strided_qkv_cuda(dtype, T):
+def test_attn_prep_broadcast_cos_strided_qkv(dtype, T):
     check_attn_prep("cuda", dtype, 3, T, 16, 4, 256, 64, row_pad=128, cos_batch1=True, hidden=2560)
 
 
@@ -558,7 +538,7 @@ def test_sigmoid_gate_mul_cuda(dtype, B, T, H):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("o_layout", ["bthd", "flat"])
-def test_sigmoid_gate_mul_layouts_cuda(dtype, o_layout):
+def test_sigmoid_gate_mul_layouts(dtype, o_layout):
     check_sigmoid_gate_mul("cuda", dtype, 3, 129, 16, 256, o_layout, gate_pad=256)
 
 

@@ -12,9 +12,9 @@ inputs are strided column slices of wider buffers (as the model will pass them) 
 CPU tests run the kernels under the Triton interpreter (`TRITON_INTERPRET=1`, set in conftest.py) on tiny shapes
 (the file takes about 25 s on 2 busy cores, 5 s of it compiling the kernels for sm_90 in a subprocess); the
 `@pytest.mark.cuda` tests run the real Qwen3.5 shapes, CUDA-graph capture and allocation counts:
-`python -m pytest tests/test_decode_ops.py -m cuda`.
+`python -m pytest tests/ops/test_decode_ops.py -m cuda`.
 
-Error bounds (relative, `rel_err` below), and why:
+Error bounds (relative, `helpers.rel_err`; `BOUNDS["kernel"]` in helpers.py), and why:
 - fp32 <= 1e-6, for outputs and for the recurrent state (fp32 whatever the input dtype): the kernels sum in another
   order than torch and, on the GPU, use approximate exp / log / rsqrt / division; that moves results by a few fp32
   units in the last place (~1e-7), and the gated delta rule does not amplify it over steps (the decay is <= 1 and,
@@ -35,18 +35,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import DTYPE_IDS, DTYPES, compile_for_sm90, needs_interpreter
+from helpers import BOUNDS, DTYPE_IDS, DTYPES, assert_close, assert_exact, compile_for_sm90, fused_ops
+from helpers import needs_interpreter, rel_err
 from scripts.common import import_module
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-fused_ops = import_module("fused_ops")
 fused_ops_runtime = import_module("fused_ops_runtime")
 fused_ops_gemv = import_module("fused_ops_gemv")
 
 STOCK_CONV_UPDATE = inspect.unwrap(modeling_qwen3_5.causal_conv1d_update)
 STOCK_RECURRENT_GDR = inspect.unwrap(modeling_qwen3_5.torch_recurrent_gated_delta_rule)
 
-BOUND = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+BOUND = BOUNDS["kernel"]
 STEPS = 5
 # columns of padding on each side of the strided input slices
 PAD = 8
@@ -65,26 +65,6 @@ def _set_up():
     yield
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved[:2]
     torch.set_num_threads(saved[2])
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b||, in float64."""
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
-def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, bound: float | None = None) -> None:
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
-    assert not got.isnan().any(), f"{name}: NaN in the output (an element was never written?)"
-    bound = BOUND[want.dtype] if bound is None else bound
-    err = rel_err(got, want)
-    assert err <= bound, f"{name}: rel_err {err:.3g} > {bound:g} ({want.dtype})"
-
-
-def assert_exact(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape and got.dtype == want.dtype, f"{name}: {got.shape} {got.dtype} vs {want.shape}"
-    assert torch.equal(got, want), f"{name}: not bit-exact, max abs diff {(got.double() - want.double()).abs().max()}"
 
 
 def column_slice(B: int, N: int, dtype, device, gen) -> torch.Tensor:
@@ -232,10 +212,10 @@ def check_gdr_step(device, dtype, B, H, HV, K, V, use_out=False, strided_state=F
             assert o is out, f"{at}: out= was not returned"
         else:
             assert o.is_contiguous()
-        assert_close(f"{at}: state vs stock", state, state_stock)
-        assert_close(f"{at}: state vs ref", state, state_ref)
-        assert_close(f"{at}: o vs stock torch_recurrent_gated_delta_rule", o, o_stock.to(dtype))
-        assert_close(f"{at}: o vs gated_delta_rule_step_ref", o, o_ref)
+        assert_close(f"{at}: state vs stock", state, state_stock, BOUND)
+        assert_close(f"{at}: state vs ref", state, state_ref, BOUND)
+        assert_close(f"{at}: o vs stock torch_recurrent_gated_delta_rule", o, o_stock.to(dtype), BOUND)
+        assert_close(f"{at}: o vs gated_delta_rule_step_ref", o, o_ref, BOUND)
 
 
 def check_decode_chain(device, dtype, B, H, HV, K, V, W=4, steps=STEPS, graph=False):
@@ -289,9 +269,9 @@ def check_decode_chain(device, dtype, B, H, HV, K, V, W=4, steps=STEPS, graph=Fa
 
         at = f"step {i}"
         assert_exact(f"{at}: conv_state vs stock", conv_state, conv_state_stock)
-        assert_close(f"{at}: conv out vs stock", y, y_stock)
-        assert_close(f"{at}: state vs stock", state, state_stock)
-        assert_close(f"{at}: o vs stock", o, o_stock)
+        assert_close(f"{at}: conv out vs stock", y, y_stock, BOUND)
+        assert_close(f"{at}: state vs stock", state, state_stock, BOUND)
+        assert_close(f"{at}: o vs stock", o, o_stock, BOUND)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -311,7 +291,7 @@ def test_causal_conv1d_step_cpu(dtype, B, D, W, bias, use_out):
 
 
 @needs_interpreter
-def test_causal_conv1d_step_odd_kernel_size_cpu():
+def test_causal_conv1d_step_odd_kernel_size():
     """W=3: a tap count that is not a power of two (masked taps)."""
     check_conv_step("cpu", torch.bfloat16, 2, 24, W=3)
 
@@ -342,20 +322,20 @@ def test_gated_delta_rule_step_cpu(dtype, B, H, HV, K, V):
 
 
 @needs_interpreter
-def test_gated_delta_rule_step_strided_state_and_out_cpu():
+def test_gated_delta_rule_step_strided_state_and_out():
     """A state with a row stride past V, a transposed `a`, and a strided `out=`."""
     check_gdr_step("cpu", torch.bfloat16, 2, 1, 2, 16, 32, use_out=True, strided_state=True, a_transposed=True)
 
 
 @needs_interpreter
-def test_gated_delta_rule_step_prefetch_flag_cpu():
+def test_gated_delta_rule_step_prefetch_flag():
     """`prefetch_state` is taken everywhere (it changes only where the state loads under PDL, which the sm_90 compile
     test checks in the PTX; the CUDA test runs it)."""
     check_gdr_step("cpu", torch.float32, 2, 1, 2, 16, 32, prefetch=True)
 
 
 @needs_interpreter
-def test_gated_delta_rule_step_scale_cpu():
+def test_gated_delta_rule_step_scale():
     """A non-default scale (stock has none to compare with: checked against the ref)."""
     gen = torch.Generator().manual_seed(0)
     q, k, v, a, b = gdr_inputs("cpu", torch.float32, 1, 1, 2, 16, 16, gen)
@@ -364,13 +344,13 @@ def test_gated_delta_rule_step_scale_cpu():
     state_ref = state.clone()
     o = fused_ops.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state, scale=0.3)
     o_ref = fused_ops.gated_delta_rule_step_ref(q, k, v, a, b, A_log, dt_bias, state_ref, scale=0.3)
-    assert_close("state vs ref", state, state_ref)
-    assert_close("o vs ref", o, o_ref)
+    assert_close("state vs ref", state, state_ref, BOUND)
+    assert_close("o vs ref", o, o_ref, BOUND)
 
 
 @needs_interpreter
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy exp, on purpose
-def test_gated_delta_rule_step_extreme_gates_cpu():
+def test_gated_delta_rule_step_extreme_gates():
     """softplus past its threshold (a + dt_bias > 20), far below zero (exp underflow), and saturated beta."""
     gen = torch.Generator().manual_seed(0)
     q, k, v, _, _ = gdr_inputs("cpu", torch.float32, 1, 1, 4, 16, 16, gen)
@@ -382,18 +362,18 @@ def test_gated_delta_rule_step_extreme_gates_cpu():
     state_stock = state.clone()
     o = fused_ops.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state)
     o_stock, state_stock = stock_gdr_step(q, k, v, a, b, A_log, dt_bias, state_stock)
-    assert_close("state vs stock", state, state_stock)
-    assert_close("o vs stock", o, o_stock)
+    assert_close("state vs stock", state, state_stock, BOUND)
+    assert_close("o vs stock", o, o_stock, BOUND)
 
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_decode_chain_cpu(dtype):
+def test_decode_chain(dtype):
     check_decode_chain("cpu", dtype, 2, 1, 2, 16, 16, steps=3)
 
 
 @needs_interpreter
-def test_out_is_filled_and_returned_cpu():
+def test_out_is_filled_and_returned():
     """With `out=`, the ops return that very tensor, fully written, and keep every other tensor where it was."""
     gen = torch.Generator().manual_seed(0)
     x = column_slice(2, 40, torch.bfloat16, "cpu", gen)
@@ -414,7 +394,7 @@ def test_out_is_filled_and_returned_cpu():
 
 
 @needs_interpreter
-def test_empty_batch_cpu():
+def test_empty_batch():
     assert fused_ops.causal_conv1d_step(torch.randn(0, 8), torch.randn(0, 8, 4), torch.randn(8, 4)).shape == (0, 8)
     q = torch.randn(0, 1, 8)
     o = fused_ops.gated_delta_rule_step(
@@ -524,7 +504,7 @@ def test_gemv_cpu(dtype, M, N, K, gate_up):
 @pytest.mark.parametrize("config", [(8, 16, 1), (4, 64, 2), (4, 16, 1, True), (4, 16, 1, False), (4, 16, 1, False, 2),
                                     (2, 8, 1, True, 3), (4, 16, 1, False, 4)])
 @pytest.mark.parametrize("M", [1, 2])
-def test_gemv_configs_cpu(config, M):
+def test_gemv_configs(config, M):
     """Every config field on CPU (interpreter): K = 50 over tiles of 8 / 16 / 64 leaves a partial tile, and with
     `unroll` a partial unrolled step."""
     check_gemv("cpu", torch.bfloat16, M, 21, 50, True, config=config)
@@ -789,7 +769,7 @@ def test_gated_delta_rule_step_cuda(dtype, B, H, HV, K, V):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_gated_delta_rule_step_strided_cuda(dtype):
+def test_gated_delta_rule_step_strided(dtype):
     check_gdr_step("cuda", dtype, 3, 16, 32, 128, 128, use_out=True, strided_state=True, a_transposed=True)
 
 
@@ -797,13 +777,13 @@ def test_gated_delta_rule_step_strided_cuda(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("B", B_CUDA, ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("HV", [16, 32, 48], ids=["0.8B", "4B", "9B"])
-def test_gated_delta_rule_step_prefetch_cuda(dtype, B, HV):
+def test_gated_delta_rule_step_prefetch(dtype, B, HV):
     """The state loaded before the PDL wait gives what loading it after does (against stock and the reference)."""
     check_gdr_step("cuda", dtype, B, 16, HV, 128, 128, use_out=B == 3, prefetch=True)
 
 
 @pytest.mark.cuda
-def test_batch_64_cuda():
+def test_batch_64():
     check_conv_step("cuda", torch.bfloat16, 64, 8192)
     check_gdr_step("cuda", torch.bfloat16, 64, 16, 32, 128, 128)
 
@@ -817,7 +797,7 @@ def test_decode_chain_cuda_graph(dtype, B):
 
 
 @pytest.mark.cuda
-def test_allocations_cuda():
+def test_allocations():
     """With `out=` the ops allocate nothing; without, exactly their output. No host sync either: each call must
     return while a long kernel queued before it is still running."""
     gen = torch.Generator().manual_seed(0)
@@ -905,7 +885,7 @@ def test_capture_error_names_the_first_error():
 
 
 @pytest.mark.cuda
-def test_graph_timing_reads_the_weights_from_hbm_cuda():
+def test_graph_timing_reads_the_weights_from_hbm():
     """`_time_in_graph_ms` times the calls it captured: a 4x larger weight takes over 2x longer, and a call runs at
     no more than the H200's copy rate (4.2 TB/s, so the weights are read from HBM, not L2) and above 0.5 TB/s."""
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
@@ -921,7 +901,7 @@ def test_graph_timing_reads_the_weights_from_hbm_cuda():
 
 
 @pytest.mark.cuda
-def test_small_linear_picks_and_captures_cuda():
+def test_small_linear_picks_and_captures():
     """The choice is made at the first eager call (timed in graphs, its copies and graphs freed after), then the same
     choice replays inside a CUDA graph."""
     fused_ops_gemv._small_linear_choice.clear()

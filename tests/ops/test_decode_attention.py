@@ -3,7 +3,7 @@ its `_ref`: stock's SDPA with the padding mask, then stock's `o * sigmoid(gate)`
 
 CPU tests run the kernels under the Triton interpreter (`TRITON_INTERPRET=1`, set in conftest.py) at tiny shapes;
 `@pytest.mark.cuda` tests run the real Qwen3.5 attention shapes (head dim 256; 8 / 2, 16 / 4 and 24 / 4 query / KV
-heads) at cache lengths 1 to 2048: `python -m pytest tests/test_decode_attention.py -m cuda`.
+heads) at cache lengths 1 to 2048: `python -m pytest tests/ops/test_decode_attention.py -m cuda`.
 
 Error bounds (relative), and why:
 - fp32 <= 1e-5: IEEE dots; another summation order than SDPA (online softmax over splits). Measured on CPU: 3e-7.
@@ -16,11 +16,11 @@ Error bounds (relative), and why:
 import pytest
 import torch
 
-from helpers import DTYPE_IDS, DTYPES, assert_close, compile_for_sm90, needs_interpreter
+from helpers import BOUNDS, DTYPE_IDS, DTYPES, assert_close, compile_for_sm90, fused_ops, needs_interpreter
 from scripts.common import import_module
 
-fused_ops, fused_ops_attention = import_module("fused_ops"), import_module("fused_ops_attention")
-BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+fused_ops_attention = import_module("fused_ops_attention")
+BOUND = BOUNDS["decode_attention"]
 
 
 @pytest.fixture(autouse=True)
@@ -70,7 +70,7 @@ def test_decode_attention_cpu(dtype, B, H, KV, D, L, slot):
 
 
 @needs_interpreter
-def test_decode_attention_ignores_keys_after_slot_cpu():
+def test_decode_attention_ignores_keys_after_slot():
     """Keys after `slot` are never read, even where `valid` still marks them (a longer earlier request)."""
     q, keys, values, valid, slot, gate, scale = inputs("cpu", torch.float32, 2, 4, 2, 16, 96, 40)
     valid[:, 41:] = True
@@ -80,7 +80,7 @@ def test_decode_attention_ignores_keys_after_slot_cpu():
 
 
 @needs_interpreter
-def test_decode_attention_strided_q_and_gate_cpu():
+def test_decode_attention_strided_q_and_gate():
     """q and gate as the decode step hands them over: views into attn_prep's outputs (row strides wider)."""
     q, keys, values, valid, slot, gate, scale = inputs("cpu", torch.bfloat16, 3, 8, 2, 16, 33, 20)
     q_wide = torch.randn(3, 8, 40, dtype=torch.bfloat16)[..., 4:20]
@@ -153,7 +153,7 @@ def test_decode_attention_cuda(dtype, H, KV, L, slot, B):
 
 
 @pytest.mark.cuda
-def test_decode_attention_replays_in_graph_cuda():
+def test_decode_attention_replays_in_graph():
     """Captured once, replayed as slot advances (read on the GPU), each replay matches the reference."""
     q, keys, values, valid, slot, gate, scale = inputs("cuda", torch.bfloat16, 2, 16, 4, 256, 512, 10, pad=False)
     valid[:, 11:] = False

@@ -21,7 +21,7 @@ import torch
 
 from helpers import compat  # the module that routes stock's DeltaNet helpers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REPORT = REPO / "training_report.json"
 HELDOUT = REPO / "data" / "heldout.txt"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import transformers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("train_tiny_model", REPO / "scripts" / "train_tiny_model.py")
 tiny = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tiny)

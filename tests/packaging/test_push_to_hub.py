@@ -13,7 +13,7 @@ from helpers import CODE_FILES
 from scripts import push_to_hub
 from scripts.common import code_files
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeHub:

@@ -7,7 +7,7 @@ column slices of one wider buffer, as the packed projection hands them over.
 
 CPU tests run the kernels under the Triton interpreter (`TRITON_INTERPRET=1`, set in conftest.py) on tiny shapes;
 `@pytest.mark.cuda` tests run the real Qwen3.5 head shapes at T = 1, 7, 64, 129, 2048:
-`python -m pytest tests/test_deltanet_prefill_ops.py -m cuda`.
+`python -m pytest tests/ops/test_deltanet_prefill_ops.py -m cuda`.
 
 Error bounds (relative), and why:
 - fp32 <= 1e-6: another summation order than torch and, on the GPU, approximate exp / sqrt / division; a few fp32
@@ -24,16 +24,14 @@ import inspect
 import pytest
 import torch
 
-from helpers import DTYPE_IDS, DTYPES, assert_close, compile_for_sm90, needs_interpreter
-from scripts.common import import_module
+from helpers import BOUNDS, DTYPE_IDS, DTYPES, assert_close, compile_for_sm90, fused_ops, needs_interpreter
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
-fused_ops = import_module("fused_ops")
 STOCK_CONV = inspect.unwrap(modeling_qwen3_5.causal_conv1d_fn)
 STOCK_L2NORM = modeling_qwen3_5.l2norm
 
-BOUND = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+BOUND = BOUNDS["kernel"]
 PAD = 8  # extra columns around the packed projection's slices
 
 
@@ -126,7 +124,7 @@ def test_deltanet_prep_cpu(dtype, B, T, HK, DK, HV, DV):
 
 
 @needs_interpreter
-def test_deltanet_prep_bias_cpu():
+def test_deltanet_prep_bias():
     x, _, b, a, weight = packed_projection(2, 9, 2, 8, 4, 8, torch.float32, "cpu")
     bias = torch.randn(weight.shape[0])
     got = fused_ops.deltanet_prep(x, weight, bias, b, a, 2, 8, 8)
@@ -135,7 +133,7 @@ def test_deltanet_prep_bias_cpu():
 
 
 @needs_interpreter
-def test_deltanet_prep_causal_cpu():
+def test_deltanet_prep_causal():
     """A token's outputs depend on no later token: change the last token's inputs, the earlier outputs stay."""
     x, _, b, a, weight = packed_projection(1, 12, 2, 8, 4, 8, torch.float32, "cpu")
     before = fused_ops.deltanet_prep(x, weight, None, b, a, 2, 8, 8)
@@ -154,12 +152,12 @@ def test_gated_rms_norm_cpu(dtype, B, T, HV, DV):
 
 
 @needs_interpreter
-def test_gated_rms_norm_fp32_weight_cpu():
+def test_gated_rms_norm_fp32_weight():
     check_gated_norm("cpu", torch.bfloat16, 2, 5, 3, 8, weight_dtype=torch.float32)
 
 
 @needs_interpreter
-def test_gated_rms_norm_2d_decode_layout_cpu():
+def test_gated_rms_norm_2d_decode_layout():
     """The decode step's layout: core [B, HV, V], z [B, HV * V] a column slice."""
     _, z, _, _, _ = packed_projection(3, 1, 1, 8, 4, 8, torch.bfloat16, "cpu")
     z = z[:, 0]
@@ -168,7 +166,7 @@ def test_gated_rms_norm_2d_decode_layout_cpu():
 
 
 @needs_interpreter
-def test_empty_inputs_cpu():
+def test_empty_inputs():
     x, _, b, a, weight = packed_projection(2, 0, 2, 8, 4, 8, torch.float32, "cpu")
     q, k, v, beta, g = fused_ops.deltanet_prep(x, weight, None, b, a, 2, 8, 8)
     assert q.shape == (2, 0, 2, 8) and v.shape == (2, 0, 4, 8) and beta.shape == (2, 0, 4)
@@ -290,7 +288,7 @@ def test_prefill_rule_ref_matches_stock_recurrent_rule_cpu():
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("T", [1, 7, 129, 2048])
 @pytest.mark.parametrize("HV", [16, 32, 48])
-def test_gated_delta_rule_prefill_cuda(dtype, T, HV):
+def test_gated_delta_rule_prefill(dtype, T, HV):
     """fp32 (per-token kernel) <= 2e-5 from the torch reference; bf16 / fp16 (chunked kernel) within their bounds."""
     inputs = rule_inputs("cuda", dtype, 1 if T == 2048 else 2, T, 16, 128, HV, 128)
     o, state = fused_ops.gated_delta_rule_prefill(*inputs, output_final_state=True)
@@ -302,7 +300,7 @@ def test_gated_delta_rule_prefill_cuda(dtype, T, HV):
 
 
 @pytest.mark.cuda
-def test_gated_delta_rule_prefill_tf32_allowed_uses_chunk_cuda(matmul_precision):
+def test_gated_delta_rule_prefill_tf32_allowed_uses_chunk(matmul_precision):
     """With TF32 allowed, fp32 takes the chunked kernel: within TF32's reach of the reference, not fp32's."""
     matmul_precision("high")
     inputs = rule_inputs("cuda", torch.float32, 1, 129, 16, 128, 32, 128)
