@@ -49,7 +49,7 @@ if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
 # and keeps the faster, so it cannot make a shape slower than cuBLAS.
 # ---------------------------------------------------------------------------------------------------------------------
 
-# `GemvConfig`s tried per shape (`_GEMV_CONFIGS` below). In the sweeps (H200, weights cold in L2; PERFORMANCE.md) few
+# `GemvConfig`s tried per shape (`_GEMV_CONFIGS` below). In the sweeps (H200, weights cold in L2) few
 # rows and long rows (2 x 1024-2048) win the matrices with few outputs (o_proj, out_proj, down_proj), 1-8 x 256-512
 # the tall ones (gate|up, in_proj, the LM head). At 8 rows cuBLAS won every shape.
 #
@@ -57,7 +57,7 @@ if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
 # [rows, BLOCK_N, BLOCK_K] accumulator summed once after the loop, where that accumulator takes at most
 # `_GEMV_ACC_REGS` registers a thread (every shipped config at one row; with more rows, the small tiles only).
 # At one row the accumulator read the out / down projections 11-15% faster, the per-tile sum the LM heads and the
-# 4B gate|up 2-3% faster (H200, 2026-12-01, PERFORMANCE.md).
+# 4B gate|up 2-3% faster (H200, 2026-12-01).
 _GEMV_ACC_REGS = 64
 
 
@@ -83,7 +83,7 @@ def _gemv_row_acc(cfg: GemvConfig, block_m: int, block_k: int, gate_up: bool) ->
     return not cfg.sum_per_tile and elems <= _GEMV_ACC_REGS * 32 * cfg.warps
 
 
-# Each the fastest for some decode shape in `scripts/benchmark_gemv.py`'s sweep (H200, 2026-12-01, PERFORMANCE.md):
+# Each the fastest for some decode shape in `scripts/benchmark_gemv.py`'s sweep (H200, 2026-12-01):
 # the unrolled ones at one row for the 4B / 0.8B DeltaNet input, gate|up, attention input and 0.8B down projections,
 # the per-tile sum for the LM heads; the first six also cover 9B's shapes, which that sweep did not time.
 _GEMV_CONFIGS = tuple(GemvConfig(*c) for c in (
@@ -95,7 +95,7 @@ _GEMV_MAX_M = 16
 # With PDL a GEMV of at least this many weight elements lets the next kernel launch only after its K loop, not at its
 # start. Launched at the start, the next kernel's programs (and, through its own early signal, the GEMV after it) take
 # SM slots while this GEMV still has waves to run, and sit in their wait holding them. In-process A/B (H200,
-# 2026-12-01, PERFORMANCE.md): at 4B batch 1 the late signal on every GEMV read -0.022 and -0.088 ms a token on two
+# 2026-12-01): at 4B batch 1 the late signal on every GEMV read -0.022 and -0.088 ms a token on two
 # machines, on those of >= 9M elements alike (-0.087); at 0.8B on every GEMV +0.015 ms, at >= 9M (its LM head only)
 # +0.0003. At 9B, whose linears are all past it, -0.044 ms (4B -0.034 in the same run); 27B not measured.
 _GEMV_LATE_TRIGGER_ELEMS = 9_000_000
@@ -316,7 +316,7 @@ _timing_failed: set = set()
 # soon as the one before it ends, and a kernel launched with programmatic dependent launch overlaps its start with the
 # one before, as in the step. Two lone timings missed this and picked cuBLAS where the GEMV is faster in the step:
 # timed eagerly, the GPU waited for Triton's slower host launch (0.8B gate|up: cuBLAS 11.1 us in the step against the
-# GEMV's 5.8 in a graph); timed alone behind a GPU sleep with L2 flushed (H200, 2026-11-30, PERFORMANCE.md), the
+# GEMV's 5.8 in a graph); timed alone behind a GPU sleep with L2 flushed (H200, 2026-11-30), the
 # choice flipped between processes on the 4B out and down projections, which the GEMV reads in 7.7 / 14.1 us in a
 # graph against cuBLAS's 9.8 / 16.1, and the runs that gave them to cuBLAS decoded 4B 0.1-0.25 ms slower.
 # The copies are a transient of at most this many bytes (3% of the smallest model's, 0.8B's, peak memory), held

@@ -19,7 +19,7 @@ interleaved (A B C A B C ...), so a drift of the card spreads over every variant
 the change against the baseline, and the first position where its greedy tokens leave the baseline's. Every constant
 is restored afterwards. Writes `ab.json` and `ab.md` to --out.
 
-This is the method of the A/B tables in PERFORMANCE.md. Stock is not run: for the ratio to stock and to the
+This is the method of the A/B figures in docs/DESIGN.md. Stock is not run: for the ratio to stock and to the
 weight-read floor, run `benchmark_latency.py`.
 """
 

@@ -1,6 +1,6 @@
 """Side-by-side latency benchmark: stock transformers Qwen3.5 and the fused classes, in one process, interleaved.
 
-    # real shapes with random weights (the GPU numbers in PERFORMANCE.md)
+    # real shapes with random weights (the GPU numbers in docs/BENCHMARKS.md)
     python scripts/benchmark_latency.py --shapes 0.8B,4B,9B --dtype bfloat16 --out out/bench
     # a named model (folder or Hub id), e.g. the small model shipped in this repo
     python scripts/benchmark_latency.py --model . --dtype float32

@@ -164,7 +164,7 @@ ROUNDING_FACTOR = 2.0
 FUSED_VS_STOCK_BOUND = {"cpu": 0.0}
 # On a GPU the fused kernels sum in another order, and Triton runs fp32 `tl.dot` in TF32 by default, which fla's
 # chunked delta rule (stock and fused alike) amplifies: fp32 fused vs stock logits measured 8e-5 to 1.2e-4 on an H200
-# (4-layer models, 16:16 to 16:48 linear heads, T=129; PERFORMANCE.md). The bound is that measurement with a 4x margin
+# (4-layer models, 16:16 to 16:48 linear heads, T=129). The bound is that measurement with a 4x margin
 # for deeper models. Not yet exercised on a GPU by this script. (With true fp32 dots, TRITON_F32_DEFAULT=ieee, the
 # CUDA model tests did not finish within a 10-minute call on the H200; cause not established. Not set here: it would
 # also leak into the importing process.)
