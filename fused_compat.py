@@ -18,6 +18,8 @@ import contextlib
 import inspect
 import threading
 
+import torch
+
 from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria
@@ -216,7 +218,7 @@ def torch_reference_kernels():
 def stock_call(fn, hidden_states, *args, **kwargs):
     """``fn(hidden_states, *args, **kwargs)`` (a stock forward), through :func:`torch_reference_kernels` when the
     tensors are off CUDA and stock would send them into fla's kernels."""
-    if hidden_states.device.type != "cuda" and STOCK_USES_TRITON_HELPERS:
+    if hidden_states.device.type != "cuda" and STOCK_USES_TRITON_HELPERS and not torch.compiler.is_compiling():
         with torch_reference_kernels():
             return fn(hidden_states, *args, **kwargs)
     return fn(hidden_states, *args, **kwargs)
