@@ -33,7 +33,18 @@ RUN_TIMEOUT_S = 1500
 
 # Tests that pass with stock and cannot pass with the fused classes, by design: {test id pattern (fnmatch): reason}.
 # Test ids are `Class::test_name[param]`.
-BY_DESIGN: dict[str, str] = {}
+BY_DESIGN: dict[str, str] = {
+    "Qwen3_5ModelTest::test_training*": (
+        "the test skips base models by their class name in transformers' static MODEL_MAPPING_NAMES; the fused base "
+        "model's name (Qwen3_5FusedModel) is not listed there, so the test trains a base model, which returns no "
+        "loss (stock's Qwen3_5Model is skipped by the same lookup)"
+    ),
+    "Qwen3_5ModelTest::test_load_with_mismatched_shapes": (
+        "a stock sequence-classification head saved with the fused config reloads through AutoConfig as the fused "
+        "config, which transformers' sequence-classification mapping does not list (the repo's auto_map serves "
+        "AutoModel, AutoModelForCausalLM and AutoModelForImageTextToText)"
+    ),
+}
 
 
 def _stage(root: Path) -> Path:
