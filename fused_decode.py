@@ -101,9 +101,10 @@ class DecodeState:
         self.batch, self.max_len, self.dtype, self.device = batch, max_len, dtype, device
         self.conv, self.recurrent, self.keys, self.values = {}, {}, {}, {}
         # A model dispatched over several GPUs (device_map) keeps each layer's buffers on that layer's device.
-        self.layer_devices = [layer.input_layernorm.weight.device for layer in text_model.layers[: config.num_hidden_layers]]
+        layers = text_model.layers[: config.num_hidden_layers]
+        self.layer_devices = [layer.input_layernorm.weight.device for layer in layers]
         self.multi_device = any(d != device for d in self.layer_devices) or text_model.norm.weight.device != device
-        for i, layer in enumerate(text_model.layers[: config.num_hidden_layers]):
+        for i, layer in enumerate(layers):
             device = self.layer_devices[i]
             if layer.block_type == "linear_attention":
                 m = layer.linear_attn
@@ -251,9 +252,9 @@ class DecodeState:
     # -- driving it --------------------------------------------------------------------------------------------------
 
     def decode(self, text_model, use_graph: bool, head: nn.Linear | None = None) -> torch.Tensor:
-        """One step: with ``head`` (the LM head, see ``fused_generate.graph_head``) the logits [B, vocab] in the model's dtype, the
-        head run inside the step and its graph (no launch gap before it, and its first weight tiles load while the
-        final norm runs); without, the final-norm hidden state [B, 1, hidden]."""
+        """One step: with ``head`` (the LM head, see ``fused_generate.graph_head``) the logits [B, vocab] in the
+        model's dtype, the head run inside the step and its graph (no launch gap before it, and its first weight
+        tiles load while the final norm runs); without, the final-norm hidden state [B, 1, hidden]."""
         if self.graph and self.graph_head is not head:  # captured with another head: capture again
             self.drop_graph()
         if not use_graph or self.graph is False:

@@ -73,7 +73,8 @@ def step_logits(model, ops, hidden: torch.Tensor) -> torch.Tensor:
     any other head (a PEFT wrapper, a bias, a dispatched module) runs as it is."""
     head = model.lm_head
     weight = getattr(head, "weight", None)
-    if type(head) is nn.Linear and head.bias is None and weight.dtype == hidden.dtype and weight.device == hidden.device:
+    plain = type(head) is nn.Linear and head.bias is None
+    if plain and weight.dtype == hidden.dtype and weight.device == hidden.device:
         B = hidden.shape[0]
         return ops.small_linear(hidden.view(B, -1), weight).view(B, 1, -1)
     return head(hidden)

@@ -52,6 +52,7 @@ from .fused_plan import LAYER_KINDS, FusedPlan, announce, announced
 from .fused_runner import FusedRunner
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+_CONFIG_LOAD_KWARGS = ("revision", "cache_dir", "local_files_only", "token", "subfolder")
 
 
 def _tensor_parallel_requested(kwargs: dict) -> bool:
@@ -112,7 +113,7 @@ class _FusedPreTrainedMixin:
         if config is None and pretrained_model_name_or_path is not None:
             config_dict, _ = cls.config_class.get_config_dict(
                 pretrained_model_name_or_path,
-                **{k: kwargs[k] for k in ("revision", "cache_dir", "local_files_only", "token", "subfolder") if k in kwargs},
+                **{k: kwargs[k] for k in _CONFIG_LOAD_KWARGS if k in kwargs},
             )
             check_model_type(type("C", (), {"model_type": config_dict.get("model_type")}))
         elif config is not None and not isinstance(config, (str, bytes)):

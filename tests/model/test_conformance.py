@@ -71,7 +71,8 @@ def test_save_pretrained_reloads_fused_with_remote_code_and_stock_without(tmp_pa
     torch.manual_seed(0)
     if entry.startswith("composite"):
         config = configuration.Qwen3_5FusedConfig(**composite_kwargs(), fused_kernels=True)
-        cls = modeling.Qwen3_5FusedModel if entry == "composite-model" else modeling.Qwen3_5FusedForConditionalGeneration
+        composite_model = entry == "composite-model"
+        cls = modeling.Qwen3_5FusedModel if composite_model else modeling.Qwen3_5FusedForConditionalGeneration
         auto = AutoModel if entry == "composite-model" else AutoModelForImageTextToText
         arch = "Qwen3_5Model" if entry == "composite-model" else "Qwen3_5ForConditionalGeneration"
         auto_map = configuration.AUTO_MAP_COMPOSITE
