@@ -321,7 +321,7 @@ class FusedRunner:
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = getattr(text_model.config, "use_cache", False)
-        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        embeds = kwargs.get("inputs_embeds")
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
         padded = mask is not None and not bool(mask.all())  # one host read per call with a mask
         if not use_cache and not padded and positions is None:

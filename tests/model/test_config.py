@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from helpers import composite_kwargs, configuration, fused_text_config, modeling, stock_and_fused_lm
 from scripts.common import tiny_text_kwargs
