@@ -352,6 +352,50 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
     return out
 
 
+def new_shape_calls(models: dict, shapes, new_tokens: int, device, vocab, profile_dir: Path | None = None) -> dict:
+    """The stall at a new shape: for each `(batch, prompt_len)` in `shapes`, in order, in this process (after the
+    other measurements, so every other shape is warm), the first `generate` of `new_tokens` tokens and then the same
+    call again, wall-clock seconds. `stall_s` is first - repeat: what a user waits extra the first time they use that
+    batch size or prompt length. With `profile_dir` the fused model's first calls run under cProfile (the top 25
+    functions by cumulative time go to `first_call_{batch}x{len}.txt`)."""
+    import cProfile
+    import io
+    import pstats
+
+    out = {}
+    for batch, prompt_len in shapes:
+        ids = torch.randint(3, vocab, (batch, prompt_len), device=device)
+        mask = torch.ones_like(ids)
+        row = {}
+        for name, model in models.items():
+            def run():
+                with torch.inference_mode(), stock_cpu_guard(device):
+                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+
+            times = []
+            for call in range(2):
+                prof = cProfile.Profile() if profile_dir is not None and call == 0 and name == "fused" else None
+                t0 = time.perf_counter()
+                if prof is not None:
+                    prof.runcall(run)
+                else:
+                    run()
+                times.append(time.perf_counter() - t0)
+                if prof is not None:
+                    text = io.StringIO()
+                    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(25)
+                    profile_dir.mkdir(parents=True, exist_ok=True)
+                    (profile_dir / f"first_call_{batch}x{prompt_len}.txt").write_text(text.getvalue())
+            row[name] = {"first_s": times[0], "repeat_s": times[1], "stall_s": times[0] - times[1]}
+            log(f"new shape batch={batch} prompt={prompt_len} {name}: first {times[0]:.2f} s, repeat "
+                f"{times[1]:.2f} s, stall {times[0] - times[1]:.2f} s")
+        out[f"{batch}x{prompt_len}"] = row
+    return out
+
+
 def profile_forward(models: dict, T: int, device, vocab, rows: int = 12) -> dict:
     """One forward at T tokens under the torch profiler: kernel count, summed GPU time and the top kernels, and on the
     host side the ops with the most self CPU time (where host-bound wall time goes) and any device syncs."""
@@ -613,6 +657,9 @@ def main(argv=None):
     p.add_argument("--profile-decode", default="", help="comma list of batch sizes whose decode step to profile (GPU)")
     p.add_argument("--plain-batch", type=int, default=4,
                    help="batch of the padded forward that returns a cache (model(**inputs)); 0: skip")
+    p.add_argument("--new-shapes", default="",
+                   help="comma list of BATCHxPROMPT_LEN (e.g. 2x32,4x1152): first vs repeat generate at each, after "
+                        "the other runs (the new-shape stall)")
     p.add_argument("--gpus", type=int, default=1, help="dispatch both models over this many GPUs (device_map)")
     p.add_argument("--out", default="out/bench")
     args = p.parse_args(argv)
@@ -656,6 +703,9 @@ def main(argv=None):
         r["decode"] = {b: decode_speed(models, int(b), args.prompt_len, args.new_tokens, device, vocab,
                                        args.decode_repeats, args.pdl_ab)
                        for b in args.decode_batches.split(",") if b}
+        if args.new_shapes:
+            shapes = [tuple(int(v) for v in s.split("x")) for s in args.new_shapes.split(",")]
+            r["new_shapes"] = new_shape_calls(models, shapes, 32, device, vocab, out / f"profile_{name}")
         if lengths:  # --lengths '' skips the forward runs (decode only)
             r["memory"] = peak_memory(models, max(lengths), device, vocab)
         if args.profile and device.type == "cuda":
