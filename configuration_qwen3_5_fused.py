@@ -1,8 +1,8 @@
 """Configuration for the fused Qwen3.5 remote-code model.
 
-The classes subclass the stock transformers Qwen3.5 configs and keep their ``model_type`` values (``qwen3_5`` and
-``qwen3_5_text``), so a checkpoint written with them still loads as a stock Qwen3.5 model (and in vLLM / SGLang)
-when ``trust_remote_code`` is not given. They add two switches:
+The classes subclass the stock transformers Qwen3.5 configs (dense and MoE) and keep their ``model_type`` values
+(``qwen3_5``, ``qwen3_5_text``, ``qwen3_5_moe``, ``qwen3_5_moe_text``), so a checkpoint written with them still loads as
+a stock Qwen3.5 model (and in vLLM / SGLang) when ``trust_remote_code`` is not given. They add two switches:
 
 - ``fused_kernels`` (bool, or None for "not set"): run the fused inference kernels where they cover the call. Unset
   in the class (stock behaviour); the repo's ``config.json`` turns it on.
@@ -17,11 +17,17 @@ refused when the model is built. :func:`resolve_switches` is the only place the 
 """
 
 import os
+import re
 
 from transformers.models.qwen3_5.configuration_qwen3_5 import (
     Qwen3_5Config,
     Qwen3_5TextConfig,
     Qwen3_5VisionConfig,
+)
+from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5MoeVisionConfig,
 )
 
 FUSED_KERNELS_ENV = "QWEN3_5_FUSED_KERNELS"
@@ -45,6 +51,18 @@ AUTO_MAP_COMPOSITE = {
     "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedModel",
     "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLMLoader",
     "AutoModelForImageTextToText": "modeling_qwen3_5_fused.Qwen3_5FusedForConditionalGeneration",
+}
+# The same for the MoE models (Qwen3.5-35B-A3B, ...).
+AUTO_MAP_MOE_TEXT = {
+    "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5MoeFusedTextConfig",
+    "AutoModel": "modeling_qwen3_5_fused.Qwen3_5MoeFusedTextModel",
+    "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5MoeFusedForCausalLM",
+}
+AUTO_MAP_MOE_COMPOSITE = {
+    "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5MoeFusedConfig",
+    "AutoModel": "modeling_qwen3_5_fused.Qwen3_5MoeFusedModel",
+    "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5MoeFusedForCausalLMLoader",
+    "AutoModelForImageTextToText": "modeling_qwen3_5_fused.Qwen3_5MoeFusedForConditionalGeneration",
 }
 
 
@@ -92,18 +110,31 @@ def resolve_switches(config) -> dict[str, bool]:
 
 
 def stock_architectures(names) -> list[str] | None:
-    """The stock class names for ``architectures`` (``Qwen3_5FusedForCausalLM`` -> ``Qwen3_5ForCausalLM``, ...): a
-    saved repo names the classes stock transformers, vLLM and SGLang know; ``auto_map`` names ours."""
+    """The stock class names for ``architectures`` (``Qwen3_5FusedForCausalLM`` -> ``Qwen3_5ForCausalLM``,
+    ``Qwen3_5MoeFusedForConditionalGeneration`` -> ``Qwen3_5MoeForConditionalGeneration``, ...): a saved repo names the
+    classes stock transformers, vLLM and SGLang know; ``auto_map`` names ours."""
     if names is None:
         return None
-    return [name.replace("Qwen3_5Fused", "Qwen3_5").removesuffix("Loader") for name in names]
+    return [re.sub(r"^(Qwen3_5(?:Moe)?)Fused", r"\1", name).removesuffix("Loader") for name in names]
 
 
-def _prepare_save(config, auto_map: dict) -> None:
-    """Before a save: stock ``architectures``, and ``auto_map`` pointing at this repo's classes (entries for other
-    Auto classes the user added are kept)."""
-    config.architectures = stock_architectures(getattr(config, "architectures", None))
-    config.auto_map = {**(getattr(config, "auto_map", None) or {}), **auto_map}
+class _FusedConfigMixin:
+    """What every fused config adds to its stock class: the switches validated when built, and a save that writes
+    stock ``architectures`` and this repo's ``auto_map`` (``_fused_auto_map``; entries for other Auto classes the user
+    added are kept). The switch fields themselves are declared on each config class (transformers' config dataclass
+    reads fields from the config classes, not from a mixin)."""
+
+    _auto_class = "AutoConfig"  # saving copies this file (and what it imports) next to config.json
+    _fused_auto_map = {}  # auto_map entries a save writes (each config class names its own)
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        _validate(self)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        self.architectures = stock_architectures(getattr(self, "architectures", None))
+        self.auto_map = {**(getattr(self, "auto_map", None) or {}), **self._fused_auto_map}
+        return super().save_pretrained(save_directory, *args, **kwargs)
 
 
 def _validate(config) -> None:
@@ -111,29 +142,23 @@ def _validate(config) -> None:
         check_switch(name, getattr(config, name), allow_unset=True)
 
 
-class Qwen3_5FusedTextConfig(Qwen3_5TextConfig):
-    """Stock ``Qwen3_5TextConfig`` plus the ``fused_kernels`` and ``cuda_graphs`` switches."""
-
-    model_type = "qwen3_5_text"
-    _auto_class = "AutoConfig"  # saving copies this file (and what it imports) next to config.json
-
-    fused_kernels: bool | None = None
-    cuda_graphs: bool | None = True
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        _prepare_save(self, AUTO_MAP_TEXT)
-        return super().save_pretrained(save_directory, *args, **kwargs)
-
-    def __post_init__(self, **kwargs):
-        super().__post_init__(**kwargs)
-        _validate(self)
-
+class _FusedTextConfigMixin(_FusedConfigMixin):
     def validate(self):
         _validate(self)
         return super().validate() if hasattr(super(), "validate") else None
 
 
-class Qwen3_5FusedConfig(Qwen3_5Config):
+class Qwen3_5FusedTextConfig(_FusedTextConfigMixin, Qwen3_5TextConfig):
+    """Stock ``Qwen3_5TextConfig`` plus the ``fused_kernels`` and ``cuda_graphs`` switches."""
+
+    model_type = "qwen3_5_text"
+    _fused_auto_map = AUTO_MAP_TEXT
+
+    fused_kernels: bool | None = None
+    cuda_graphs: bool | None = True
+
+
+class Qwen3_5FusedConfig(_FusedConfigMixin, Qwen3_5Config):
     """Stock composite ``Qwen3_5Config`` (vision tower + text backbone) plus the fused switches.
 
     The switches live on the composite config; the text backbone reads them from here (they are copied into
@@ -141,6 +166,7 @@ class Qwen3_5FusedConfig(Qwen3_5Config):
     """
 
     model_type = "qwen3_5"
+    _fused_auto_map = AUTO_MAP_COMPOSITE
     # transformers >= 5.2x resolves sub-configs through `sub_configs_defaults`; older 5.x through `sub_configs`.
     if "sub_configs_defaults" in vars(Qwen3_5Config):
         sub_configs_defaults = {"vision_config": Qwen3_5VisionConfig, "text_config": Qwen3_5FusedTextConfig}
@@ -150,15 +176,34 @@ class Qwen3_5FusedConfig(Qwen3_5Config):
     fused_kernels: bool | None = None
     cuda_graphs: bool | None = True
 
-    _auto_class = "AutoConfig"
 
-    def __post_init__(self, **kwargs):
-        super().__post_init__(**kwargs)
-        _validate(self)
+class Qwen3_5MoeFusedTextConfig(_FusedTextConfigMixin, Qwen3_5MoeTextConfig):
+    """Stock ``Qwen3_5MoeTextConfig`` (the MoE text backbone) plus the ``fused_kernels`` and ``cuda_graphs``
+    switches."""
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        _prepare_save(self, AUTO_MAP_COMPOSITE)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+    model_type = "qwen3_5_moe_text"
+    _fused_auto_map = AUTO_MAP_MOE_TEXT
+
+    fused_kernels: bool | None = None
+    cuda_graphs: bool | None = True
 
 
-__all__ = ["Qwen3_5FusedConfig", "Qwen3_5FusedTextConfig", "AUTO_MAP_TEXT", "AUTO_MAP_COMPOSITE"]
+class Qwen3_5MoeFusedConfig(_FusedConfigMixin, Qwen3_5MoeConfig):
+    """Stock composite ``Qwen3_5MoeConfig`` plus the fused switches (copied into ``text_config`` when the model is
+    built, as for the dense composite)."""
+
+    model_type = "qwen3_5_moe"
+    _fused_auto_map = AUTO_MAP_MOE_COMPOSITE
+    if "sub_configs_defaults" in vars(Qwen3_5MoeConfig):  # as the dense composite above
+        sub_configs_defaults = {"vision_config": Qwen3_5MoeVisionConfig, "text_config": Qwen3_5MoeFusedTextConfig}
+    else:
+        sub_configs = {"vision_config": Qwen3_5MoeVisionConfig, "text_config": Qwen3_5MoeFusedTextConfig}
+
+    fused_kernels: bool | None = None
+    cuda_graphs: bool | None = True
+
+
+__all__ = [
+    "Qwen3_5FusedConfig", "Qwen3_5FusedTextConfig", "Qwen3_5MoeFusedConfig", "Qwen3_5MoeFusedTextConfig",
+    "AUTO_MAP_TEXT", "AUTO_MAP_COMPOSITE", "AUTO_MAP_MOE_TEXT", "AUTO_MAP_MOE_COMPOSITE",
+]
