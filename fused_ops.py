@@ -11,6 +11,7 @@ validates its inputs, with a plain-torch `name_ref()` beside it taking the same 
 - `fused_ops_deltanet`: `causal_conv1d_step`, `gated_delta_rule_step`, `deltanet_prep`, `gated_delta_rule_prefill`
   (with `prefill_rule_kernel`).
 - `fused_ops_gemv`: `gemv`, `small_linear` (with `small_linear_choices`, `gemv_late_signal_min_elems`).
+- `fused_ops_moe`: `moe_route`, `moe_experts` (the sparse MoE block of the MoE models).
 
 A module constant (a block size, `PDL_ENABLED`, `_GEMV_LATE_TRIGGER_ELEMS`) is read by the module that defines it:
 set or patch it there, not here.
@@ -50,6 +51,7 @@ from .fused_ops_gemv import (
     small_linear_choices,
     small_linear_ref,
 )
+from .fused_ops_moe import moe_experts_ref, moe_route_ref
 from .fused_ops_norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref, swiglu, swiglu_ref
 from .fused_ops_runtime import (
     HAS_FLA,
@@ -59,6 +61,8 @@ from .fused_ops_runtime import (
     pdl_enabled,
     reset_rng_after_failed_capture,
 )
+
+moe_route, moe_experts = moe_route_ref, moe_experts_ref  # until the MoE kernels land
 
 # The ops the model's fused path calls; each has a `name_ref` taking the same arguments.
 KERNEL_OPS = (
@@ -73,6 +77,8 @@ KERNEL_OPS = (
     "gated_delta_rule_prefill",
     "decode_attention",
     "mrope_step",
+    "moe_route",
+    "moe_experts",
 )
 
 
@@ -106,6 +112,10 @@ __all__ = [
     "gemv_late_signal_min_elems",
     "gemv_ref",
     "kernels_available",
+    "moe_experts",
+    "moe_experts_ref",
+    "moe_route",
+    "moe_route_ref",
     "mrope_step",
     "mrope_step_ref",
     "op_set",
