@@ -11,7 +11,10 @@ The fused classes subclass stock Qwen3.5 (public API). Three things are not publ
   code (announced once);
 - the stock module's DeltaNet helpers, which transformers swaps for flash-linear-attention's Triton kernels when fla
   is installed, whatever the tensors' device: :func:`torch_reference_kernels` routes CPU calls to the plain-torch
-  versions.
+  versions;
+- the MoE checkpoint layouts: transformers converts the Hub's per-expert tensors to its 3D expert parameters at load
+  (and back at save) through its conversion mapping, which it skips for remote code unless the class name was
+  registered (:func:`register_expert_layouts`; checked once at import, ``EXPERT_LAYOUTS_REASON`` says why not).
 """
 
 import contextlib
@@ -26,6 +29,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.qwen3_5 import modeling_qwen3_5 as stock
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as stock_moe
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     ALL_ATTENTION_FUNCTIONS,
     Qwen3_5Attention,
@@ -37,7 +41,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
 
 __all__ = [
     "ALL_ATTENTION_FUNCTIONS", "Cache", "GenerateDecoderOnlyOutput", "GenerationMode", "MaxLengthCriteria",
-    "eager_attention_forward", "stock",
+    "eager_attention_forward", "stock", "stock_moe",
 ]
 
 
@@ -172,14 +176,17 @@ _STOCK_KERNEL_FNS = (
     "causal_conv1d_fn",
     "causal_conv1d_update",
 )
+# The stock modules holding them: the dense model's, and the MoE model's (the same functions, its own copies).
+_STOCK_KERNEL_MODULES = (stock, stock_moe)
 _route_lock = threading.Lock()
 _route_users = 0
-_route_saved: dict = {}
+_route_saved: dict = {}  # (module, name) -> stock's function
 
 
 def _stock_uses_triton_helpers() -> bool:
     return any(
-        inspect.unwrap(getattr(stock, n)) is not getattr(stock, n) for n in _STOCK_KERNEL_FNS if hasattr(stock, n)
+        inspect.unwrap(getattr(module, n)) is not getattr(module, n)
+        for module in _STOCK_KERNEL_MODULES for n in _STOCK_KERNEL_FNS if hasattr(module, n)
     )
 
 
@@ -200,9 +207,10 @@ def torch_reference_kernels():
     global _route_users
     with _route_lock:
         if _route_users == 0:
-            _route_saved.update({n: getattr(stock, n) for n in _STOCK_KERNEL_FNS if hasattr(stock, n)})
-            for name, fn in _route_saved.items():
-                setattr(stock, name, inspect.unwrap(fn))
+            _route_saved.update({(module, n): getattr(module, n) for module in _STOCK_KERNEL_MODULES
+                                 for n in _STOCK_KERNEL_FNS if hasattr(module, n)})
+            for (module, name), fn in _route_saved.items():
+                setattr(module, name, inspect.unwrap(fn))
         _route_users += 1
     try:
         yield
@@ -210,8 +218,8 @@ def torch_reference_kernels():
         with _route_lock:
             _route_users -= 1
             if _route_users == 0:
-                for name, fn in _route_saved.items():
-                    setattr(stock, name, fn)
+                for (module, name), fn in _route_saved.items():
+                    setattr(module, name, fn)
                 _route_saved.clear()
 
 
@@ -222,3 +230,58 @@ def stock_call(fn, hidden_states, *args, **kwargs):
         with torch_reference_kernels():
             return fn(hidden_states, *args, **kwargs)
     return fn(hidden_states, *args, **kwargs)
+
+
+# -- stock's rotary modules -------------------------------------------------------------------------------------------
+
+# The text rotary forwards whose cos / sin the decode step computes itself (``fused_decode.rope_plan``): the dense and
+# the MoE module are the same code.
+STOCK_ROTARY_FORWARDS = (stock.Qwen3_5TextRotaryEmbedding.forward, stock_moe.Qwen3_5MoeTextRotaryEmbedding.forward)
+
+
+# -- the MoE checkpoint layouts ---------------------------------------------------------------------------------------
+
+# Hub MoE checkpoints store one tensor per expert (`mlp.experts.{j}.gate_proj.weight`, `up_proj`, `down_proj`);
+# stock's modules hold them as `experts.gate_up_proj` [E, 2I, H] (gate then up on dim 1) and `experts.down_proj`
+# [E, H, I]. transformers merges them at load, and splits them again at save, through the conversion mapping of
+# `qwen3_5_moe_text` (the per-expert merge it shares with `qwen2_moe`, plus the `language_model` prefix change); it
+# skips that mapping for remote code unless the class name is registered with it.
+_EXPERT_SOURCE = "mlp.experts.*.down_proj.weight"
+
+
+def _expert_mapping():
+    from transformers import conversion_mapping
+
+    return conversion_mapping, conversion_mapping.get_checkpoint_conversion_mapping("qwen3_5_moe_text")
+
+
+def _check_expert_layouts() -> str | None:
+    """None when this transformers can convert the per-expert layout for a registered remote class, else why not."""
+    try:
+        module, mapping = _expert_mapping()
+    except (ImportError, AttributeError) as err:
+        return f"transformers has no checkpoint conversion mapping ({err})"
+    for name in ("register_checkpoint_conversion_mapping", "USER_REGISTERED_MAPPINGS"):
+        if not hasattr(module, name):
+            return f"transformers.conversion_mapping has no {name}"
+    if not any(_EXPERT_SOURCE in (getattr(t, "source_patterns", None) or ()) for t in mapping or ()):
+        return "transformers' conversion mapping for qwen3_5_moe_text has no per-expert merge"
+    return None
+
+
+# None when the remote MoE classes load (and save) the per-expert Hub layout through transformers' own conversion.
+EXPERT_LAYOUTS_REASON = _check_expert_layouts()
+
+
+def register_expert_layouts(class_names) -> None:
+    """Give the remote MoE classes ``class_names`` (those whose config is the MoE text config: they hold the expert
+    parameters at the root of their key space, as stock's ``qwen3_5_moe_text`` models do) stock's conversion mapping
+    for ``qwen3_5_moe_text``: a per-expert checkpoint (and the composite's ``model.language_model.`` prefix) loads
+    into the 3D parameters, and a save writes the per-expert layout stock, vLLM and SGLang read. A composite model
+    picks it up for its text backbone, scoped under ``language_model``, as stock does. No-op where
+    ``EXPERT_LAYOUTS_REASON`` says why not (the model announces it when built)."""
+    if EXPERT_LAYOUTS_REASON is not None:
+        return
+    module, _ = _expert_mapping()
+    for name in class_names:
+        module.register_checkpoint_conversion_mapping(name, _expert_mapping()[1], overwrite=True)

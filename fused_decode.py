@@ -11,7 +11,7 @@ reference to the state; :class:`fused_runner.FusedRunner` runs the model on it.
 import torch
 from torch import nn
 
-from .fused_compat import Cache, stock
+from .fused_compat import STOCK_ROTARY_FORWARDS, Cache
 from .fused_graphs import WeightsSnapshot, capture_graph
 from .fused_plan import FusedPlan
 
@@ -47,7 +47,7 @@ def rope_plan(rot, device) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     it is."""
     here, there = torch.device(device), rot.inv_freq.device
     if (
-        type(rot).forward is not stock.Qwen3_5TextRotaryEmbedding.forward
+        type(rot).forward not in STOCK_ROTARY_FORWARDS
         or getattr(rot, "rope_type", None) not in _STATIC_ROPE_TYPES
         or not hasattr(rot, "recomposition_frequencies")
         or here.type != there.type
@@ -243,6 +243,8 @@ class DecodeState:
         return step_linear(self.ops, o, m.o_proj.weight, m.o_proj.bias).view(B, 1, -1)
 
     def _mlp_step(self, mlp, x):
+        if hasattr(mlp, "decode_step"):  # the MoE models' sparse block (``fused_moe``)
+            return mlp.decode_step(self.ops, x)
         if self.plan.kind_reasons["mlp"] is not None:
             return mlp(x)
         B = x.shape[0]

@@ -10,7 +10,6 @@ from collections import OrderedDict
 
 import torch
 from torch import nn
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
 
 from .fused_compat import MASK_CACHE_KW, stock
 from .fused_layers import pack_all, prefill_into
@@ -177,7 +176,7 @@ class ForwardGraph(_Captured):
 
     def _forward(self, text_model) -> torch.Tensor:
         kw = {"inputs_embeds" if self.embeds else "input_ids": self.inputs}
-        return Qwen3_5TextModel.forward(text_model, **kw, attention_mask=self.masks, use_cache=False).last_hidden_state
+        return text_model.stock_forward(**kw, attention_mask=self.masks, use_cache=False).last_hidden_state
 
     def run(self, text_model, x: torch.Tensor, pool, capture: bool, replay: bool = True) -> torch.Tensor | None:
         """The hidden states [B, T, hidden] for ``x`` [B, T] (or [B, T, hidden]): replayed when captured and
@@ -235,8 +234,8 @@ class PrefillGraph(_Captured):
 
     def _forward(self, text_model, cache) -> torch.Tensor:
         with prefill_into(cache):
-            return Qwen3_5TextModel.forward(
-                text_model, input_ids=self.ids, attention_mask=self.mask, position_ids=self.positions, use_cache=False
+            return text_model.stock_forward(
+                input_ids=self.ids, attention_mask=self.mask, position_ids=self.positions, use_cache=False
             ).last_hidden_state
 
     def run(self, text_model, cache, pool, capture: bool, replay: bool = True) -> torch.Tensor | None:

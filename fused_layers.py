@@ -111,7 +111,7 @@ class _FusedModule:
     """Mixin of every fused module: the plan it reads, and its packed projection group (if it has one)."""
 
     _fused_kind = "module"
-    _fused_group: tuple[str, ...] = ()
+    _fused_group: tuple[str, ...] = ()  # submodule paths whose `weight` rows are packed, in this order
 
     def _init_fused(self, plan: FusedPlan) -> None:
         self.plan = plan
@@ -130,7 +130,7 @@ class _FusedModule:
         """The packed matrix (and bias) of this module's projection group, packed (again) when its parameters are
         not the views of the current one (first use, a move, a load, ``load_state_dict(..., assign=True)``, a
         parameter set by hand), so the fused GEMM never reads a stale copy."""
-        linears = [getattr(self, name) for name in self._fused_group]
+        linears = [self.get_submodule(name) for name in self._fused_group]
         if not _is_packed(linears, self._packed):
             self._packed = pack_linears(linears)
         return self._packed
@@ -287,10 +287,14 @@ class FusedDecoderLayer(_FusedModule, Qwen3_5DecoderLayer):
             self.linear_attn = FusedGatedDeltaNet(config, layer_idx, plan)
         else:
             self.self_attn = FusedAttention(config, layer_idx, plan)
-        self.mlp = FusedMLP(config, config.intermediate_size, plan)
+        self.mlp = self._make_mlp(config, plan)
         self.input_layernorm = FusedRMSNorm(config.hidden_size, config.rms_norm_eps, plan)
         self.post_attention_layernorm = FusedRMSNorm(config.hidden_size, config.rms_norm_eps, plan)
         self._init_fused(plan)
+
+    def _make_mlp(self, config, plan: FusedPlan) -> nn.Module:
+        """The layer's feed-forward block (the MoE layer builds its sparse block here); it provides ``add_to``."""
+        return FusedMLP(config, config.intermediate_size, plan)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, **kwargs):
         if not self.plan.runs(self._fused_kind):

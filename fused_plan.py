@@ -34,6 +34,8 @@ REFERENCES = op_set(reference=True)  # their torch references (the CPU emulation
 
 SWIGLU_ACTS = ("silu", "swish")
 LAYER_KINDS = ("linear_attention", "full_attention", "mlp", "rms_norm", "decoder_layer")
+# The MoE models' kinds: the sparse MoE block where the dense models have their MLP.
+MOE_LAYER_KINDS = ("linear_attention", "full_attention", "moe", "rms_norm", "decoder_layer")
 
 _announced: set[str] = set()
 
@@ -65,6 +67,7 @@ class FusedPlan:
         self.fused_kernels = False
         self.cuda_graphs = False
         self.reason: str | None = "the model is not built yet"
+        self.layer_kinds = LAYER_KINDS
         self.kind_reasons: dict[str, str | None] = {}
         self.device = torch.device("cpu")
         self.dtype = torch.float32
@@ -88,9 +91,11 @@ class FusedPlan:
         self.reason = self._model_reason(text_model)
         config = text_model.config
         fused = self.reason is None
-        self.kind_reasons = {kind: self.reason for kind in LAYER_KINDS}
-        if fused and config.hidden_act not in SWIGLU_ACTS:
-            self.kind_reasons["mlp"] = f"the MLP activation is {config.hidden_act!r} (fused: silu)"
+        self.layer_kinds = getattr(text_model, "layer_kinds", LAYER_KINDS)
+        self.kind_reasons = {kind: self.reason for kind in self.layer_kinds}
+        for kind, what in (("mlp", "MLP"), ("moe", "experts'")):
+            if fused and kind in self.kind_reasons and config.hidden_act not in SWIGLU_ACTS:
+                self.kind_reasons[kind] = f"the {what} activation is {config.hidden_act!r} (fused: silu)"
         deltanet_act = getattr(config, "hidden_act", "silu")
         if fused and deltanet_act not in SWIGLU_ACTS:
             self.kind_reasons["linear_attention"] = f"the DeltaNet activation is {deltanet_act!r} (fused: silu)"
@@ -99,7 +104,9 @@ class FusedPlan:
         # or not (captured on CUDA with cuda_graphs on): the same call gives the same numbers whatever the switch,
         # first call or replay. The CPU emulation runs the same padded shapes eagerly, so the tests cover them.
         self.buckets = fused and not self.multi_device
-        self.decode_reason = self.reason or self.kind_reasons["linear_attention"] or GENERATE_HOOKS_REASON
+        # the stock MoE block syncs with the host (the experts hit), so the fused step needs the fused one
+        self.decode_reason = (self.reason or self.kind_reasons["linear_attention"] or self.kind_reasons.get("moe")
+                              or GENERATE_HOOKS_REASON)
         self.pdl = fused and pdl_enabled(self.device)
         return self
 

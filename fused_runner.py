@@ -17,8 +17,6 @@ import threading
 
 import torch
 from transformers.cache_utils import DynamicCache
-from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
 
 from .fused_compat import CACHE_KWS, OUTPUT_CACHE_FIELD, cache_update_kwargs
 from .fused_decode import DecodeState, FusedDecodeCache, decode_len_bucket
@@ -36,7 +34,8 @@ MAX_FORWARD_GRAPHS = 16
 MAX_CACHE_FORWARD_GRAPHS = 4
 # Arguments a bucketed forward accepts, with the values it accepts them at (anything else runs eagerly, said once).
 GRAPH_NEUTRAL_KWARGS = {"return_dict": (None, True), "output_attentions": (None, False),
-                        "output_hidden_states": (None, False), "cache_position": (None,)}
+                        "output_hidden_states": (None, False), "output_router_logits": (None, False),
+                        "cache_position": (None,)}
 
 
 class MaskedForwardGraph:
@@ -166,7 +165,7 @@ class FusedRunner:
             out = self._prefill(text_model, cache, input_ids, attention_mask, position_ids, inputs_embeds, kwargs)
         elif seq_len == 1:
             self._load_step_inputs(text_model, cache, input_ids, inputs_embeds, position_ids)
-            out = BaseModelOutputWithPast(last_hidden_state=st.decode(text_model, cache._use_graph))
+            out = text_model.output_class(last_hidden_state=st.decode(text_model, cache._use_graph))
         else:
             raise NotImplementedError(
                 f"The fused decode cache continues one token at a time; got {seq_len} new tokens after "
@@ -194,8 +193,8 @@ class FusedRunner:
         # The stock forward builds the prompt's masks as for an empty cache (which this is); the fused layers write
         # their state into the cache's buffers.
         with prefill_into(cache):
-            out = Qwen3_5TextModel.forward(
-                text_model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            out = text_model.stock_forward(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 inputs_embeds=inputs_embeds, **kwargs,
             )
         st.key_valid.zero_()
@@ -251,7 +250,7 @@ class FusedRunner:
         st.slot.fill_(length)
         st.load_positions(position_ids, 0, seq_len, advance=1)
         cache._pad = pad
-        return BaseModelOutputWithPast(last_hidden_state=hidden[:, pad:].clone())
+        return text_model.output_class(last_hidden_state=hidden[:, pad:].clone())
 
     def next_token(self, text_model, cache: FusedDecodeCache, tokens: torch.Tensor, head=None) -> torch.Tensor:
         """Run the step for ``tokens`` [B] (the tokens just chosen) at the positions that follow the previous step's;
@@ -309,7 +308,7 @@ class FusedRunner:
             return None, "the position ids are not 2D (mRoPE position ids run eagerly)"
         return "pending", ""
 
-    def forward(self, text_model, kwargs: dict) -> BaseModelOutputWithPast | None:
+    def forward(self, text_model, kwargs: dict):
         """The forward at its bucket's padded shape (replayed once captured), or None: the caller runs the stock
         forward (said once, with the reason, where it is not the plan's)."""
         path, reason = self.forward_path(kwargs)
@@ -335,7 +334,7 @@ class FusedRunner:
         with self.lock:
             return self._bucketed_forward(text_model, kwargs, path)
 
-    def _bucketed_forward(self, text_model, kwargs: dict, path: str) -> BaseModelOutputWithPast | None:
+    def _bucketed_forward(self, text_model, kwargs: dict, path: str):
         ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
         x = ids if ids is not None else embeds
         batch, seq_len = x.shape[:2]
@@ -368,4 +367,4 @@ class FusedRunner:
             hidden, cache = out if out is not None else (None, None)
         if hidden is None:
             return None
-        return BaseModelOutputWithPast(last_hidden_state=hidden, **{OUTPUT_CACHE_FIELD: cache})
+        return text_model.output_class(last_hidden_state=hidden, **{OUTPUT_CACHE_FIELD: cache})

@@ -6,6 +6,12 @@ Each class subclasses its stock transformers Qwen3.5 class and only adds the fus
 - ``Qwen3_5FusedModel`` / ``Qwen3_5FusedForConditionalGeneration``: the composite vision-language model that real
   Qwen3.5 checkpoints use; the vision tower is the stock one, untouched, and the text backbone is fused.
 - ``Qwen3_5FusedForCausalLMLoader``: the ``AutoModelForCausalLM`` entry of composite repos.
+- ``Qwen3_5Moe*``: the same five for the MoE models (``qwen3_5_moe`` / ``qwen3_5_moe_text``), their decoder layers
+  the dense fused ones with the fused sparse MoE block (``fused_moe``). They load the Hub's per-expert checkpoint
+  layout and stock's 3D one, and save the per-expert layout (``fused_compat.register_expert_layouts``).
+
+The dense and MoE classes share their bodies (the ``_Fused*Mixin`` classes); each public class names its stock class,
+its backbone and its config.
 
 The backbone is built from the fused layer modules (``fused_layers``), with stock's parameter names and shapes, so
 the state dict is stock's. What runs is decided once, in the backbone's :class:`FusedPlan` (``fused_plan``),
@@ -17,24 +23,41 @@ cache and run the fused loop (``fused_generate``), and otherwise defer to stock.
 
 import torch
 from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationMixin
+from transformers import initialization as stock_init
+from transformers.modeling_outputs import BaseModelOutputWithPast, MoeModelOutputWithPast
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    Qwen3_5Attention,
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5GatedDeltaNet,
     Qwen3_5Model,
+    Qwen3_5RMSNorm,
     Qwen3_5TextModel,
     Qwen3_5TextRotaryEmbedding,
 )
-from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationMixin
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeModel,
+    Qwen3_5MoeTextModel,
+    Qwen3_5MoeTextRotaryEmbedding,
+    Qwen3_5MoeTopKRouter,
+)
+from transformers.utils.output_capturing import OutputRecorder
 
 from .configuration_qwen3_5_fused import (
     SWITCHES,
     Qwen3_5FusedConfig,
     Qwen3_5FusedTextConfig,
+    Qwen3_5MoeFusedConfig,
+    Qwen3_5MoeFusedTextConfig,
     check_switch,
     resolve_switch,
 )
 from .fused_compat import (
     CACHE_KWS,
+    EXPERT_LAYOUTS_REASON,
     FUSED_GENERATION_MODES,
     GENERATE_CACHE_KW,
     GENERATE_HOOKS_REASON,
@@ -42,16 +65,19 @@ from .fused_compat import (
     find_cache,
     generation_mode_name,
     hook_args,
+    register_expert_layouts,
     with_signature_of,
 )
 from .fused_decode import FusedDecodeCache
 from .fused_generate import fused_sample
 from .fused_layers import FUSED_OPS, FusedDecoderLayer, FusedRMSNorm, pack_all
 from .fused_ops import prefill_rule_kernel, small_linear_choices
-from .fused_plan import LAYER_KINDS, FusedPlan, announce, announced
+from .fused_moe import FUSED_MOE_OPS, FusedMoeDecoderLayer
+from .fused_plan import LAYER_KINDS, MOE_LAYER_KINDS, FusedPlan, announce, announced
 from .fused_runner import FusedRunner
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 _CONFIG_LOAD_KWARGS = ("revision", "cache_dir", "local_files_only", "token", "subfolder")
 
 
@@ -64,12 +90,16 @@ def _tensor_parallel_requested(kwargs: dict) -> bool:
     )
 
 
-def check_model_type(config) -> None:
+def check_model_type(config, model_types=SUPPORTED_MODEL_TYPES) -> None:
+    """``ValueError`` naming the model type and the classes to use, unless ``config``'s is one of ``model_types``."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in model_types:
+        moe = model_type in MOE_MODEL_TYPES
+        use = (" (an MoE checkpoint: use the Qwen3_5MoeFused* classes)" if moe and model_types != MOE_MODEL_TYPES else
+               " (a dense checkpoint: use the Qwen3_5Fused* classes)" if model_type in SUPPORTED_MODEL_TYPES else "")
         raise ValueError(
-            f"The fused Qwen3.5 classes load Qwen3.5 checkpoints (model_type {' or '.join(SUPPORTED_MODEL_TYPES)}), "
-            f"got model_type={model_type!r}."
+            f"These fused Qwen3.5 classes load model_type {' or '.join(model_types)}, got model_type={model_type!r}"
+            f"{use}."
         )
 
 
@@ -92,7 +122,16 @@ class _FusedPreTrainedMixin:
 
     # accelerate keeps modules whole by class *name*: without `FusedDecoderLayer`, `device_map="auto"` could cut a
     # layer between GPUs, even between the views of one packed matrix.
-    _no_split_modules = ["Qwen3_5DecoderLayer", "FusedDecoderLayer", "Qwen3_5VisionBlock"]
+    _no_split_modules = ["Qwen3_5DecoderLayer", "FusedDecoderLayer", "Qwen3_5VisionBlock", "Qwen3_5MoeDecoderLayer",
+                         "FusedMoeDecoderLayer", "Qwen3_5MoeVisionBlock"]
+    _model_types = SUPPORTED_MODEL_TYPES  # the model types this class loads
+
+    @classmethod
+    def _check_model_type(cls, config) -> None:
+        check_model_type(config, cls._model_types)
+        if cls._model_types == MOE_MODEL_TYPES and EXPERT_LAYOUTS_REASON is not None:
+            announce("moe/layouts", "Qwen3.5 fused MoE: only checkpoints in transformers' 3D expert layout load "
+                     f"(experts.gate_up_proj / experts.down_proj), and saves keep it, because {EXPERT_LAYOUTS_REASON}.")
 
     def _text_model(self) -> "Qwen3_5FusedTextModel":
         raise NotImplementedError
@@ -115,9 +154,9 @@ class _FusedPreTrainedMixin:
                 pretrained_model_name_or_path,
                 **{k: kwargs[k] for k in _CONFIG_LOAD_KWARGS if k in kwargs},
             )
-            check_model_type(type("C", (), {"model_type": config_dict.get("model_type")}))
+            cls._check_model_type(type("C", (), {"model_type": config_dict.get("model_type")}))
         elif config is not None and not isinstance(config, (str, bytes)):
-            check_model_type(config)
+            cls._check_model_type(config)
         if _tensor_parallel_requested(kwargs):
             source = config if config is not None and not isinstance(config, (str, bytes)) else None
             stated = getattr(source, "fused_kernels", None) if source is not None else (config_dict or {}).get(
@@ -223,13 +262,21 @@ class _FusedPreTrainedMixin:
         text_model = self._text_model()
         plan, runner = text_model.plan, text_model.runner
         kinds = {}
-        for kind in LAYER_KINDS:
+        for kind in text_model.layer_kinds:
             reason = plan.kind_reasons.get(kind, plan.reason)
             kinds[kind] = {
                 "path": "fused" if reason is None else "stock",
-                "ops": FUSED_OPS[kind] if reason is None else "stock transformers forward",
+                "ops": {**FUSED_OPS, "moe": FUSED_MOE_OPS}[kind] if reason is None else "stock transformers forward",
                 "reason": reason,
             }
+        if "moe" in kinds:
+            config = text_model.config
+            kinds["moe"].update(
+                experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
+                router_logits="recorded from the router module, as stock (fused: the packed GEMM's logits)",
+                checkpoint_layouts=("per-expert (Hub) and 3D; saved per-expert" if EXPERT_LAYOUTS_REASON is None
+                                    else f"3D only: {EXPERT_LAYOUTS_REASON}"),
+            )
         if plan.fused:
             kinds["linear_attention"]["prefill_rule_kernel"] = prefill_rule_kernel(plan.dtype)
             kinds["linear_attention"]["falls_back"] = "decode steps outside generate()'s fused cache (stock cache)"
@@ -288,23 +335,27 @@ class _FusedPreTrainedMixin:
         }
 
 
-class Qwen3_5FusedTextModel(_FusedPreTrainedMixin, Qwen3_5TextModel):
-    """The text backbone, built from the fused layers (stock's ``__init__`` with the fused classes)."""
+class _FusedTextModelMixin(_FusedPreTrainedMixin):
+    """The text backbone, dense or MoE: stock's ``__init__`` with the fused classes (``_decoder_layer``; no stock
+    module is built and replaced), its plan and runner, and stock's forward behind the runner."""
 
-    config_class = Qwen3_5FusedTextConfig
-    _auto_class = "AutoModel"
+    _stock_model: type  # the stock text model class this one is
+    _rotary: type
+    _decoder_layer = FusedDecoderLayer
+    layer_kinds = LAYER_KINDS  # the plan's layer kinds, as describe() reports them
+    output_class = BaseModelOutputWithPast  # what stock's forward returns; the runner's fused calls return the same
 
     def __init__(self, config):
-        check_model_type(config)
-        super(Qwen3_5TextModel, self).__init__(config)  # Qwen3_5PreTrainedModel: stock's bases
+        self._check_model_type(config)
+        super(self._stock_model, self).__init__(config)  # the stock class's bases; then stock's __init__, fused
         self.plan = FusedPlan()
         self.runner = FusedRunner(self.plan)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(
-            [FusedDecoderLayer(config, layer_idx, self.plan) for layer_idx in range(config.num_hidden_layers)]
+            [self._decoder_layer(config, layer_idx, self.plan) for layer_idx in range(config.num_hidden_layers)]
         )
         self.norm = FusedRMSNorm(config.hidden_size, config.rms_norm_eps, self.plan)
-        self.rotary_emb = Qwen3_5TextRotaryEmbedding(config=config)
+        self.rotary_emb = self._rotary(config=config)
         self.gradient_checkpointing = False
         self.post_init()
         self.refresh_fused()
@@ -332,6 +383,11 @@ class Qwen3_5FusedTextModel(_FusedPreTrainedMixin, Qwen3_5TextModel):
             pack_all(self)
         return out
 
+    def stock_forward(self, **kwargs):
+        """Stock's forward of this backbone (masks, rotary, output recording) over the fused layers, bypassing the
+        runner: what the runner and the captured forwards run."""
+        return super(_FusedPreTrainedMixin, self).forward(**kwargs)
+
     @with_signature_of(Qwen3_5TextModel.forward)
     def forward(self, *args, **kwargs):
         """Stock's forward; a call carrying a fused decode cache (inside a fused ``generate``) runs the prompt or the
@@ -339,7 +395,7 @@ class Qwen3_5FusedTextModel(_FusedPreTrainedMixin, Qwen3_5TextModel):
         CUDA graph once captured)."""
         kwargs = bind_forward_args(args, kwargs)
         if torch.compiler.is_compiling():  # torch.compile traces stock's forward (the runner holds a lock, graphs)
-            return super().forward(**kwargs)
+            return self.stock_forward(**kwargs)
         cache = find_cache(kwargs)
         if isinstance(cache, FusedDecodeCache):
             for kw in CACHE_KWS:
@@ -348,37 +404,43 @@ class Qwen3_5FusedTextModel(_FusedPreTrainedMixin, Qwen3_5TextModel):
         out = self.runner.forward(self, kwargs)
         if out is not None:
             return out
-        return super().forward(**kwargs)
+        return self.stock_forward(**kwargs)
 
 
-class Qwen3_5FusedForCausalLM(_FusedPreTrainedMixin, Qwen3_5ForCausalLM, GenerationMixin):
-    config_class = Qwen3_5FusedTextConfig
-    _auto_class = "AutoModelForCausalLM"
+class _FusedCausalLMMixin(_FusedPreTrainedMixin):
+    """The causal LM: stock's ``__init__`` with the fused backbone (``_backbone``)."""
+
+    _stock_model: type
+    _backbone: type
+    _config_attributes: tuple[str, ...] = ()  # config values stock's __init__ copies onto the model
 
     def __init__(self, config):
-        check_model_type(config)
-        super(Qwen3_5ForCausalLM, self).__init__(config)  # stock's bases; then stock's __init__, fused backbone
-        self.model = Qwen3_5FusedTextModel(config)
+        self._check_model_type(config)
+        super(self._stock_model, self).__init__(config)  # the stock class's bases; then stock's __init__, fused
+        self.model = self._backbone(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        for name in self._config_attributes:
+            setattr(self, name, getattr(config, name))
         self.post_init()
 
     def _text_model(self):
         return self.model
 
 
-class Qwen3_5FusedForCausalLMLoader(Qwen3_5FusedForCausalLM):
+class _FusedCausalLMLoaderMixin:
     """``AutoModelForCausalLM`` entry of composite (vision-language) repos, which is how real Qwen3.5 checkpoints
-    are laid out: it loads the text backbone and LM head as a :class:`Qwen3_5FusedForCausalLM`.
+    are laid out: it loads the text backbone and LM head as the causal LM ``_causal_lm``.
 
     transformers registers a remote class under the repo's config class and requires the two to match by name, so
     composite repos need a causal-LM entry whose ``config_class`` is the composite config; stock transformers does
-    the same extraction (``config.get_text_config()``) for its own ``Qwen3_5ForCausalLM``. The checkpoint keys
-    ``model.language_model.*`` are read as ``model.*`` (stock does this with its key mapping for ``qwen3_5_text``,
-    which transformers does not apply to remote code).
+    the same extraction (``config.get_text_config()``) for its own causal LMs. The checkpoint keys
+    ``model.language_model.*`` are read as ``model.*`` (``_key_mapping``: stock does this with its key mapping for
+    the text model type, which transformers does not apply to remote code unless told).
     """
 
-    config_class = Qwen3_5FusedConfig
+    _causal_lm: type
+    _key_mapping: dict | None = {r"^model\.language_model\.": "model."}
 
     @staticmethod
     def _text_config_of(config):
@@ -394,25 +456,27 @@ class Qwen3_5FusedForCausalLMLoader(Qwen3_5FusedForCausalLM):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, **kwargs):
         if config is not None and not isinstance(config, (str, bytes)) and hasattr(config, "text_config"):
             config = cls._text_config_of(config)
-            # transformers skips its own key mappings for remote code, so name the one stock uses here.
-            kwargs.setdefault("key_mapping", {r"^model\.language_model\.": "model."})
-        return Qwen3_5FusedForCausalLM.from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
+            if cls._key_mapping:
+                kwargs.setdefault("key_mapping", cls._key_mapping)
+        return cls._causal_lm.from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
 
     @classmethod
     def _from_config(cls, config, **kwargs):
-        return Qwen3_5FusedForCausalLM._from_config(cls._text_config_of(config), **kwargs)
+        return cls._causal_lm._from_config(cls._text_config_of(config), **kwargs)
 
 
-class Qwen3_5FusedModel(_FusedPreTrainedMixin, Qwen3_5Model):
-    config_class = Qwen3_5FusedConfig
-    _auto_class = "AutoModel"
+class _FusedCompositeModelMixin(_FusedPreTrainedMixin):
+    """The composite backbone: stock's vision tower, the fused text backbone (``_backbone``)."""
+
+    _stock_model: type
+    _backbone: type
 
     def __init__(self, config):
-        check_model_type(config)
+        self._check_model_type(config)
         _sync_switches(config)
-        super(Qwen3_5Model, self).__init__(config)  # stock's bases; then stock's __init__, fused text backbone
+        super(self._stock_model, self).__init__(config)  # the stock class's bases; then stock's __init__, fused
         self.visual = AutoModel.from_config(config.vision_config)
-        self.language_model = Qwen3_5FusedTextModel._from_config(config.text_config)
+        self.language_model = self._backbone._from_config(config.text_config)
         self.rope_deltas = None  # cache rope_deltas here (as stock)
         self.post_init()
 
@@ -420,16 +484,16 @@ class Qwen3_5FusedModel(_FusedPreTrainedMixin, Qwen3_5Model):
         return self.language_model
 
 
-class Qwen3_5FusedForConditionalGeneration(
-    _FusedPreTrainedMixin, Qwen3_5ForConditionalGeneration, GenerationMixin
-):
-    config_class = Qwen3_5FusedConfig
-    _auto_class = "AutoModelForImageTextToText"
+class _FusedConditionalGenerationMixin(_FusedPreTrainedMixin):
+    """The composite model with its LM head: stock's ``__init__`` with the fused composite backbone."""
+
+    _stock_model: type
+    _backbone: type
 
     def __init__(self, config):
-        check_model_type(config)
-        super(Qwen3_5ForConditionalGeneration, self).__init__(config)  # stock's bases; then stock's __init__
-        self.model = Qwen3_5FusedModel(config)
+        self._check_model_type(config)
+        super(self._stock_model, self).__init__(config)  # the stock class's bases; then stock's __init__, fused
+        self.model = self._backbone(config)
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
         self.post_init()
 
@@ -440,19 +504,147 @@ class Qwen3_5FusedForConditionalGeneration(
         return self.model
 
 
+# -- the dense models ---------------------------------------------------------------------------------------------------
+
+
+class Qwen3_5FusedTextModel(_FusedTextModelMixin, Qwen3_5TextModel):
+    """The text backbone, built from the fused layers (stock's ``__init__`` with the fused classes)."""
+
+    config_class = Qwen3_5FusedTextConfig
+    _auto_class = "AutoModel"
+    _stock_model = Qwen3_5TextModel
+    _rotary = Qwen3_5TextRotaryEmbedding
+
+
+class Qwen3_5FusedForCausalLM(_FusedCausalLMMixin, Qwen3_5ForCausalLM, GenerationMixin):
+    config_class = Qwen3_5FusedTextConfig
+    _auto_class = "AutoModelForCausalLM"
+    _stock_model = Qwen3_5ForCausalLM
+    _backbone = Qwen3_5FusedTextModel
+
+
+class Qwen3_5FusedForCausalLMLoader(_FusedCausalLMLoaderMixin, Qwen3_5FusedForCausalLM):
+    __doc__ = _FusedCausalLMLoaderMixin.__doc__
+    config_class = Qwen3_5FusedConfig
+    _causal_lm = Qwen3_5FusedForCausalLM
+
+
+class Qwen3_5FusedModel(_FusedCompositeModelMixin, Qwen3_5Model):
+    config_class = Qwen3_5FusedConfig
+    _auto_class = "AutoModel"
+    _stock_model = Qwen3_5Model
+    _backbone = Qwen3_5FusedTextModel
+
+
+class Qwen3_5FusedForConditionalGeneration(
+    _FusedConditionalGenerationMixin, Qwen3_5ForConditionalGeneration, GenerationMixin
+):
+    config_class = Qwen3_5FusedConfig
+    _auto_class = "AutoModelForImageTextToText"
+    _stock_model = Qwen3_5ForConditionalGeneration
+    _backbone = Qwen3_5FusedModel
+
+
+# -- the MoE models (Qwen3.5-35B-A3B, ...) ------------------------------------------------------------------------------
+
+
+class _FusedMoeMixin:
+    """What the MoE classes share beyond the dense ones: the model types they load, the outputs transformers records
+    (stock's router logits; hidden states and attentions from the fused layer classes, which subclass the dense
+    stock layers: stock's MoE twins are the same code), and the weight init of those dense-typed layers."""
+
+    _model_types = MOE_MODEL_TYPES
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(Qwen3_5MoeTopKRouter, index=0),
+        "hidden_states": FusedMoeDecoderLayer,
+        "attentions": Qwen3_5Attention,
+    }
+
+    def _init_weights(self, module):
+        super()._init_weights(module)  # stock MoE's: experts, router, linears, embeddings
+        # stock MoE's init tests for its own DeltaNet / RMSNorm classes; the fused ones subclass the dense twins
+        if isinstance(module, Qwen3_5GatedDeltaNet):
+            stock_init.ones_(module.dt_bias)
+            stock_init.copy_(
+                module.A_log, torch.empty(module.num_v_heads, device=module.A_log.device).uniform_(0.01, 16).log_()
+            )
+        elif isinstance(module, Qwen3_5RMSNorm):
+            stock_init.zeros_(module.weight)
+
+
+class Qwen3_5MoeFusedTextModel(_FusedMoeMixin, _FusedTextModelMixin, Qwen3_5MoeTextModel):
+    """The MoE text backbone, built from the fused layers: the dense fused DeltaNet, attention and norms, and the
+    fused sparse MoE block (``fused_moe``)."""
+
+    config_class = Qwen3_5MoeFusedTextConfig
+    _auto_class = "AutoModel"
+    _stock_model = Qwen3_5MoeTextModel
+    _rotary = Qwen3_5MoeTextRotaryEmbedding
+    _decoder_layer = FusedMoeDecoderLayer
+    layer_kinds = MOE_LAYER_KINDS
+    output_class = MoeModelOutputWithPast
+
+
+class Qwen3_5MoeFusedForCausalLM(_FusedMoeMixin, _FusedCausalLMMixin, Qwen3_5MoeForCausalLM, GenerationMixin):
+    config_class = Qwen3_5MoeFusedTextConfig
+    _auto_class = "AutoModelForCausalLM"
+    _stock_model = Qwen3_5MoeForCausalLM
+    _backbone = Qwen3_5MoeFusedTextModel
+    _config_attributes = ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")
+
+
+class Qwen3_5MoeFusedForCausalLMLoader(_FusedCausalLMLoaderMixin, Qwen3_5MoeFusedForCausalLM):
+    __doc__ = _FusedCausalLMLoaderMixin.__doc__
+    config_class = Qwen3_5MoeFusedConfig
+    _causal_lm = Qwen3_5MoeFusedForCausalLM
+    # the registered MoE conversion (`register_expert_layouts`) changes the prefix itself, as stock's
+    _key_mapping = None if EXPERT_LAYOUTS_REASON is None else _FusedCausalLMLoaderMixin._key_mapping
+
+
+class Qwen3_5MoeFusedModel(_FusedMoeMixin, _FusedCompositeModelMixin, Qwen3_5MoeModel):
+    config_class = Qwen3_5MoeFusedConfig
+    _auto_class = "AutoModel"
+    _stock_model = Qwen3_5MoeModel
+    _backbone = Qwen3_5MoeFusedTextModel
+
+
+class Qwen3_5MoeFusedForConditionalGeneration(
+    _FusedMoeMixin, _FusedConditionalGenerationMixin, Qwen3_5MoeForConditionalGeneration, GenerationMixin
+):
+    config_class = Qwen3_5MoeFusedConfig
+    _auto_class = "AutoModelForImageTextToText"
+    _stock_model = Qwen3_5MoeForConditionalGeneration
+    _backbone = Qwen3_5MoeFusedModel
+
+
 __all__ = [
     "Qwen3_5FusedTextModel",
     "Qwen3_5FusedForCausalLM",
     "Qwen3_5FusedForCausalLMLoader",
     "Qwen3_5FusedModel",
     "Qwen3_5FusedForConditionalGeneration",
+    "Qwen3_5MoeFusedTextModel",
+    "Qwen3_5MoeFusedForCausalLM",
+    "Qwen3_5MoeFusedForCausalLMLoader",
+    "Qwen3_5MoeFusedModel",
+    "Qwen3_5MoeFusedForConditionalGeneration",
 ]
+
+# The classes whose key space holds the MoE text backbone at its root (as stock's `qwen3_5_moe_text` models): they get
+# stock's per-expert conversion; a composite model picks it up for its `language_model`, scoped, as stock does.
+register_expert_layouts(["Qwen3_5MoeFusedTextModel", "Qwen3_5MoeFusedForCausalLM"])
 
 # Registered with the Auto classes as remote loading registers them, by config class (stock `qwen3_5*` configs keep the
 # stock classes): stock code that builds a backbone from a fused config (the composite's
 # `AutoModel.from_config(config.text_config)`) gets the fused one, and `pipeline("text-generation")` recognises the
 # fused causal LM as a causal LM.
-AutoModel.register(Qwen3_5FusedTextConfig, Qwen3_5FusedTextModel, exist_ok=True)
-AutoModel.register(Qwen3_5FusedConfig, Qwen3_5FusedModel, exist_ok=True)
-AutoModelForCausalLM.register(Qwen3_5FusedTextConfig, Qwen3_5FusedForCausalLM, exist_ok=True)
-AutoModelForImageTextToText.register(Qwen3_5FusedConfig, Qwen3_5FusedForConditionalGeneration, exist_ok=True)
+for _text_config, _text_model, _causal_lm, _composite_config, _composite_model, _conditional in (
+    (Qwen3_5FusedTextConfig, Qwen3_5FusedTextModel, Qwen3_5FusedForCausalLM, Qwen3_5FusedConfig, Qwen3_5FusedModel,
+     Qwen3_5FusedForConditionalGeneration),
+    (Qwen3_5MoeFusedTextConfig, Qwen3_5MoeFusedTextModel, Qwen3_5MoeFusedForCausalLM, Qwen3_5MoeFusedConfig,
+     Qwen3_5MoeFusedModel, Qwen3_5MoeFusedForConditionalGeneration),
+):
+    AutoModel.register(_text_config, _text_model, exist_ok=True)
+    AutoModel.register(_composite_config, _composite_model, exist_ok=True)
+    AutoModelForCausalLM.register(_text_config, _causal_lm, exist_ok=True)
+    AutoModelForImageTextToText.register(_composite_config, _conditional, exist_ok=True)
