@@ -14,7 +14,8 @@ The fused classes subclass stock Qwen3.5 (public API). Three things are not publ
   versions;
 - the MoE checkpoint layouts: transformers converts the Hub's per-expert tensors to its 3D expert parameters at load
   (and back at save) through its conversion mapping, which it skips for remote code unless the class name was
-  registered (:func:`register_expert_layouts`; checked once at import, ``EXPERT_LAYOUTS_REASON`` says why not).
+  model type was registered (:func:`register_expert_layouts`; checked once at import, ``EXPERT_LAYOUTS_REASON``
+  says why not); :func:`per_expert_save` makes a save write the per-expert layout whatever the load read.
 """
 
 import contextlib
@@ -245,7 +246,7 @@ STOCK_ROTARY_FORWARDS = (stock.Qwen3_5TextRotaryEmbedding.forward, stock_moe.Qwe
 # stock's modules hold them as `experts.gate_up_proj` [E, 2I, H] (gate then up on dim 1) and `experts.down_proj`
 # [E, H, I]. transformers merges them at load, and splits them again at save, through the conversion mapping of
 # `qwen3_5_moe_text` (the per-expert merge it shares with `qwen2_moe`, plus the `language_model` prefix change); it
-# skips that mapping for remote code unless the class name is registered with it.
+# skips that mapping for remote code unless its model type (or class name) is registered with it.
 _EXPERT_SOURCE = "mlp.experts.*.down_proj.weight"
 
 
@@ -273,15 +274,41 @@ def _check_expert_layouts() -> str | None:
 EXPERT_LAYOUTS_REASON = _check_expert_layouts()
 
 
-def register_expert_layouts(class_names) -> None:
-    """Give the remote MoE classes ``class_names`` (those whose config is the MoE text config: they hold the expert
-    parameters at the root of their key space, as stock's ``qwen3_5_moe_text`` models do) stock's conversion mapping
-    for ``qwen3_5_moe_text``: a per-expert checkpoint (and the composite's ``model.language_model.`` prefix) loads
-    into the 3D parameters, and a save writes the per-expert layout stock, vLLM and SGLang read. A composite model
-    picks it up for its text backbone, scoped under ``language_model``, as stock does. No-op where
+def register_expert_layouts() -> None:
+    """Let transformers apply stock's ``qwen3_5_moe_text`` conversion mapping to the remote MoE classes too.
+
+    transformers looks a model's conversions up per submodule, by class name, then by model type, and skips remote
+    code unless one of the two was registered by the user. Registering the model type (with the mapping stock already
+    has for it, so stock's own classes see no change) makes every remote model holding a ``qwen3_5_moe_text``
+    backbone convert as stock's does, scoped where the backbone sits: a per-expert checkpoint loads into the 3D
+    parameters, and the causal LM reads a composite checkpoint's ``model.language_model.`` keys. (Registering the
+    class names instead would give the causal LM the mapping twice, once for itself and once for its backbone.)
+    Any other remote code for this model type in the process gets the same conversions. No-op where
     ``EXPERT_LAYOUTS_REASON`` says why not (the model announces it when built)."""
-    if EXPERT_LAYOUTS_REASON is not None:
+    if EXPERT_LAYOUTS_REASON is None:
+        module, mapping = _expert_mapping()
+        module.register_checkpoint_conversion_mapping("qwen3_5_moe_text", mapping, overwrite=True)
+
+
+@contextlib.contextmanager
+def per_expert_save(model):
+    """While saving ``model``: write the experts in the per-expert Hub layout even when it was loaded from the 3D one.
+
+    transformers reverts, at save, the conversions a load used (``model._weight_conversions``), so a model loaded from
+    3D tensors would be saved as 3D tensors, which vLLM / SGLang do not read; the model's expert converters are added
+    for the save (a model built without a load already saves per-expert: transformers then reverts all of them)."""
+    if EXPERT_LAYOUTS_REASON is not None or getattr(model, "_weight_conversions", None) is None:
+        yield
         return
-    module, _ = _expert_mapping()
-    for name in class_names:
-        module.register_checkpoint_conversion_mapping(name, _expert_mapping()[1], overwrite=True)
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    used = model._weight_conversions
+    have = {tuple(t.source_patterns) for t in used if isinstance(t, WeightConverter)}
+    extra = [t for t in get_model_conversion_mapping(model, add_legacy=False)
+             if isinstance(t, WeightConverter) and tuple(t.source_patterns) not in have]
+    model._weight_conversions = list(used) + extra
+    try:
+        yield
+    finally:
+        model._weight_conversions = used

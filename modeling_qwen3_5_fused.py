@@ -65,6 +65,7 @@ from .fused_compat import (
     find_cache,
     generation_mode_name,
     hook_args,
+    per_expert_save,
     register_expert_layouts,
     with_signature_of,
 )
@@ -571,6 +572,11 @@ class _FusedMoeMixin:
         elif isinstance(module, Qwen3_5RMSNorm):
             stock_init.zeros_(module.weight)
 
+    def save_pretrained(self, *args, **kwargs):
+        """Stock's save, the experts always in the per-expert Hub layout (``fused_compat.per_expert_save``)."""
+        with per_expert_save(self):
+            return super().save_pretrained(*args, **kwargs)
+
 
 class Qwen3_5MoeFusedTextModel(_FusedMoeMixin, _FusedTextModelMixin, Qwen3_5MoeTextModel):
     """The MoE text backbone, built from the fused layers: the dense fused DeltaNet, attention and norms, and the
@@ -597,7 +603,7 @@ class Qwen3_5MoeFusedForCausalLMLoader(_FusedCausalLMLoaderMixin, Qwen3_5MoeFuse
     __doc__ = _FusedCausalLMLoaderMixin.__doc__
     config_class = Qwen3_5MoeFusedConfig
     _causal_lm = Qwen3_5MoeFusedForCausalLM
-    # the registered MoE conversion (`register_expert_layouts`) changes the prefix itself, as stock's
+    # stock's MoE conversion, registered (`register_expert_layouts`), changes the prefix itself, as for stock's class
     _key_mapping = None if EXPERT_LAYOUTS_REASON is None else _FusedCausalLMLoaderMixin._key_mapping
 
 
@@ -630,9 +636,8 @@ __all__ = [
     "Qwen3_5MoeFusedForConditionalGeneration",
 ]
 
-# The classes whose key space holds the MoE text backbone at its root (as stock's `qwen3_5_moe_text` models): they get
-# stock's per-expert conversion; a composite model picks it up for its `language_model`, scoped, as stock does.
-register_expert_layouts(["Qwen3_5MoeFusedTextModel", "Qwen3_5MoeFusedForCausalLM"])
+# stock's per-expert conversion for the MoE backbone, wherever it sits (see `fused_compat.register_expert_layouts`)
+register_expert_layouts()
 
 # Registered with the Auto classes as remote loading registers them, by config class (stock `qwen3_5*` configs keep the
 # stock classes): stock code that builds a backbone from a fused config (the composite's
