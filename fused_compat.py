@@ -240,6 +240,18 @@ def stock_call(fn, hidden_states, *args, **kwargs):
 STOCK_ROTARY_FORWARDS = (stock.Qwen3_5TextRotaryEmbedding.forward, stock_moe.Qwen3_5MoeTextRotaryEmbedding.forward)
 
 
+# -- the experts implementation ---------------------------------------------------------------------------------------
+
+
+def allow_experts_implementation(cls) -> None:
+    """Let transformers set ``experts_implementation`` (``eager`` / ``grouped_mm`` / ...) on the remote MoE class
+    ``cls``: its stock path runs stock's ``Qwen3_5MoeExperts``, which dispatches on it. transformers decides whether a
+    class supports it by searching the class's module source for stock's decorator, which the remote module does not
+    use, and refuses a requested implementation otherwise; the answer is cached on the class, where this sets it."""
+    if hasattr(cls, "_can_set_experts_implementation"):
+        cls._can_set_experts_implementation_cached_value = True
+
+
 # -- the MoE checkpoint layouts ---------------------------------------------------------------------------------------
 
 # Hub MoE checkpoints store one tensor per expert (`mlp.experts.{j}.gate_proj.weight`, `up_proj`, `down_proj`);

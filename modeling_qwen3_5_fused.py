@@ -61,6 +61,7 @@ from .fused_compat import (
     FUSED_GENERATION_MODES,
     GENERATE_CACHE_KW,
     GENERATE_HOOKS_REASON,
+    allow_experts_implementation,
     bind_forward_args,
     find_cache,
     generation_mode_name,
@@ -638,6 +639,9 @@ __all__ = [
 
 # stock's per-expert conversion for the MoE backbone, wherever it sits (see `fused_compat.register_expert_layouts`)
 register_expert_layouts()
+for _moe_class in (Qwen3_5MoeFusedTextModel, Qwen3_5MoeFusedForCausalLM, Qwen3_5MoeFusedForCausalLMLoader,
+                   Qwen3_5MoeFusedModel, Qwen3_5MoeFusedForConditionalGeneration):
+    allow_experts_implementation(_moe_class)
 
 # Registered with the Auto classes as remote loading registers them, by config class (stock `qwen3_5*` configs keep the
 # stock classes): stock code that builds a backbone from a fused config (the composite's

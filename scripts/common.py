@@ -91,6 +91,25 @@ def tiny_text_kwargs(**overrides) -> dict:
     return kwargs
 
 
+# Tiny MoE shapes for the CPU tests: 8 experts top-2, 64 top-8 (Qwen3.5-35B-A3B's 256 top-8, scaled down), and an odd
+# hidden size.
+TINY_MOE = {
+    "E8-top2": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "E64-top8": dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=16,
+                     shared_expert_intermediate_size=32),
+    "H67": dict(hidden_size=67, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                shared_expert_intermediate_size=40),
+}
+
+
+def tiny_moe_text_kwargs(shape: str = "E8-top2", **overrides) -> dict:
+    """``tiny_text_kwargs`` as a Qwen3.5 MoE text config (``qwen3_5_moe_text``) of one of the ``TINY_MOE`` shapes."""
+    kwargs = tiny_text_kwargs(**TINY_MOE[shape])
+    kwargs.pop("intermediate_size")  # the MoE config has experts (moe_intermediate_size) and a shared expert instead
+    kwargs.update(overrides)
+    return kwargs
+
+
 def tiny_vision_kwargs(out_hidden_size: int) -> dict:
     return dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=out_hidden_size,
                 patch_size=4, num_position_embeddings=16, spatial_merge_size=2, temporal_patch_size=2)

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.common import code_files, import_repo, import_module, tiny_text_kwargs, tiny_vision_kwargs
+from scripts.common import (
+    code_files,
+    import_module,
+    import_repo,
+    tiny_moe_text_kwargs,
+    tiny_text_kwargs,
+    tiny_vision_kwargs,
+)
 
 configuration, modeling, fused_ops = import_repo()
 compat = import_module("fused_compat")
@@ -155,6 +162,33 @@ def stock_and_fused_lm(seed=0, fused_kernels=True, dtype=torch.float32, **overri
     return stock, fused
 
 
+def moe_composite_kwargs(shape: str = "E8-top2", **text_overrides):
+    """``composite_kwargs`` for a Qwen3.5 MoE composite config (``qwen3_5_moe``)."""
+    kwargs = composite_kwargs()
+    kwargs["text_config"] = tiny_moe_text_kwargs(shape, **text_overrides)
+    kwargs["vision_config"] = tiny_vision_kwargs(kwargs["text_config"]["hidden_size"])
+    return kwargs
+
+
+def stock_and_fused_moe_lm(shape="E8-top2", seed=0, fused_kernels=True, dtype=torch.float32, **overrides):
+    """A stock Qwen3_5MoeForCausalLM and a fused one holding the same random weights, both in eval mode.
+
+    Both run stock's eager experts loop where the stock path runs (``experts_implementation="eager"``): the loop
+    ``moe_experts_ref`` reproduces, and the one stock runs on CPU for every shape (its default there, ``grouped_mm``,
+    refuses hidden sizes whose rows are not a multiple of 16 bytes, such as 67)."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(seed)
+    kwargs = tiny_moe_text_kwargs(shape, **overrides)
+    kwargs.setdefault("experts_implementation", "eager")
+    stock = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**kwargs)).to(dtype).eval()
+    fused = modeling.Qwen3_5MoeFusedForCausalLM(
+        configuration.Qwen3_5MoeFusedTextConfig(**kwargs, fused_kernels=fused_kernels)).to(dtype).eval()
+    missing, unexpected = fused.load_state_dict(stock.state_dict(), strict=True)
+    assert not missing and not unexpected
+    return stock, fused
+
+
 def ieee_stock(model):
     """`model`, a stock Qwen3.5, made to run stock's own torch DeltaNet code (the fp32 reference of the CUDA tests).
 
@@ -225,6 +259,8 @@ def padded_batch(batch: int, seq_len: int, padding: str | None, vocab: int = 256
 CODE_FILES = tuple(code_files())  # the remote code: the entry files and what they import
 AUTO_MAP_TEXT = configuration.AUTO_MAP_TEXT
 AUTO_MAP_COMPOSITE = configuration.AUTO_MAP_COMPOSITE
+AUTO_MAP_MOE_TEXT = configuration.AUTO_MAP_MOE_TEXT
+AUTO_MAP_MOE_COMPOSITE = configuration.AUTO_MAP_MOE_COMPOSITE
 
 
 def make_hub_snapshot(src_dir, cache_dir, repo_id: str, files=None) -> str:

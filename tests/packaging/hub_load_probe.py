@@ -36,6 +36,7 @@ for trust in (True, False):
         "mismatched": [list(map(str, m)) for m in info.get("mismatched_keys", [])],
         "fused_kernels": getattr(model.config, "fused_kernels", None),
         "logits": logits[0, -1, :16].tolist(),
-        "describe": model.describe()["layers"]["mlp"] if trust else None,
+        # the feed-forward kind: "mlp" (dense) or "moe"
+        "describe": next(v for k, v in model.describe()["layers"].items() if k in ("mlp", "moe")) if trust else None,
     }
 print("RESULT " + json.dumps(result))
