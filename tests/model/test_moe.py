@@ -95,19 +95,46 @@ def test_recorded_outputs_match_stock(shape):
     assert rel_err(got.logits, want.logits) <= BOUND
 
 
+def _assert_same_generation(want, got):
+    """Equal tokens, and every step's scores within the emulation bound (the decode step's linears and padded
+    shapes sum in another order than stock's)."""
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == len(want.scores)
+    for step, (x, y) in enumerate(zip(got.scores, want.scores)):
+        finite = torch.isfinite(y)
+        assert torch.equal(finite, torch.isfinite(x)), step
+        assert rel_err(x[finite], y[finite]) <= BOUNDS["cpu_emulation"], step
+
+
 @cpu_emulated
 @pytest.mark.parametrize("shape", SHAPES)
 def test_greedy_generate_matches_stock(monkeypatch, shape):
     stock, fused = stock_and_fused_moe_lm(shape)
     ids, mask = padded_batch(2, 6, "left")
-    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+              output_scores=True)
     with torch.no_grad():
         want = generate_stock(stock, ids, **kw)
         calls = _count_moe_calls(monkeypatch)
         got = fused.generate(ids, **kw)
     assert isinstance(cache_of(got), decode.FusedDecodeCache)  # the fused decode cache and step ran
     assert calls["moe_experts"] >= stock.config.num_hidden_layers * 12
-    assert torch.equal(got.sequences, want.sequences)
+    _assert_same_generation(want, got)
+
+
+@cpu_emulated
+def test_sampling_matches_stock():
+    stock, fused = stock_and_fused_moe_lm("E64-top8")
+    ids, mask = padded_batch(3, 5, "left")
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=True, top_k=20, temperature=0.8, pad_token_id=0,
+              return_dict_in_generate=True, output_scores=True)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        want = generate_stock(stock, ids, **kw)
+        torch.manual_seed(7)
+        got = fused.generate(ids, **kw)
+    assert isinstance(cache_of(got), decode.FusedDecodeCache)
+    _assert_same_generation(want, got)
 
 
 @cpu_emulated
