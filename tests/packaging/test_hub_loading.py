@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import AUTO_MAP_COMPOSITE, AUTO_MAP_TEXT, CODE_FILES, composite_kwargs, configuration, make_hub_snapshot, modeling, offline_env
+from helpers import AUTO_MAP_MOE_COMPOSITE, AUTO_MAP_MOE_TEXT, moe_composite_kwargs
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("hub_load_probe.py")
@@ -67,6 +68,48 @@ def test_composite_repo_by_id_offline(tmp_path, auto_name, fused_class, stock_cl
     make_hub_snapshot(tmp_path / "src", tmp_path / "hub", "test-org/tiny-qwen35")
     result, _ = _probe(tmp_path, "test-org/tiny-qwen35", auto_name)
     _check(result, fused_class, stock_class)
+
+
+def _expert_layout(folder: Path) -> str:
+    from safetensors.torch import load_file
+
+    keys = load_file(str(folder / "model.safetensors")).keys()
+    per_expert = any(".mlp.experts.0.gate_proj.weight" in k for k in keys)
+    stacked = any(k.endswith(".mlp.experts.gate_up_proj") for k in keys)
+    assert per_expert != stacked, "one layout per checkpoint"
+    return "per-expert" if per_expert else "3d"
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "3d"])
+@pytest.mark.parametrize("composite,auto_name,fused_class,stock_class", [
+    (False, "AutoModelForCausalLM", "Qwen3_5MoeFusedForCausalLM", "Qwen3_5MoeForCausalLM"),
+    (True, "AutoModelForCausalLM", "Qwen3_5MoeFusedForCausalLM", "Qwen3_5MoeForCausalLM"),
+    (True, "AutoModelForImageTextToText", "Qwen3_5MoeFusedForConditionalGeneration",
+     "Qwen3_5MoeForConditionalGeneration"),
+], ids=["text", "composite-causal-lm", "composite-image-text-to-text"])
+def test_moe_repo_by_id_offline(tmp_path, layout, composite, auto_name, fused_class, stock_class):
+    """An MoE repo by id, its weights in the Hub's per-expert layout (what a save writes, as real checkpoints) or in
+    transformers' 3D layout: the remote classes load both with no missing or unexpected key, as stock does, and give
+    stock's logits (CPU: the stock path, bit for bit)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    if composite:
+        model = modeling.Qwen3_5MoeFusedForConditionalGeneration(
+            configuration.Qwen3_5MoeFusedConfig(**moe_composite_kwargs()))
+    else:
+        model = modeling.Qwen3_5MoeFusedForCausalLM(
+            configuration.Qwen3_5MoeFusedTextConfig(**moe_composite_kwargs()["text_config"]))
+    src = tmp_path / "src"
+    _write_repo(model, src, AUTO_MAP_MOE_COMPOSITE if composite else AUTO_MAP_MOE_TEXT)
+    if layout == "3d":  # the tensors as transformers holds them in memory (the embeddings are tied: no lm_head)
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    assert _expert_layout(src) == layout
+    make_hub_snapshot(src, tmp_path / "hub", "test-org/tiny-qwen35-moe")
+    result, _ = _probe(tmp_path, "test-org/tiny-qwen35-moe", auto_name)
+    _check(result, fused_class, stock_class)
+    assert result["True"]["describe"]["ops"] == "stock transformers forward"  # the MoE block, on CPU: stock
 
 
 def test_missing_code_file_is_caught(tmp_path):
