@@ -290,6 +290,8 @@ class _FusedPreTrainedMixin:
                 "cache + decode_attention (split keys, merged with the sigmoid gate), fused norms; each linear "
                 "(gate|up with SwiGLU in its epilogue) by cuBLAS or our GEMV, whichever was timed faster for its "
                 "shape, the LM head too"
+                + ("; the sparse MoE block: one small_linear (shared gate|up, router, shared gate) + moe_route + "
+                   "SwiGLU + shared down + moe_experts" if "moe" in kinds else "")
                 if plan.decode_reason is None else "stock transformers decode"
             ),
             "cuda_graphs": plan.graphs,

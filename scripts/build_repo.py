@@ -185,9 +185,10 @@ class VerificationFailed(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """What differs between a text-only and a composite (vision-language) Qwen3.5 checkpoint."""
+    """What differs between text-only and composite (vision-language) Qwen3.5 checkpoints, dense or MoE."""
 
     name: str
+    composite: bool
     model_type: str
     stock_class: str
     auto_class: str
@@ -199,6 +200,7 @@ class Layout:
 LAYOUTS = {
     "text": Layout(
         name="text",
+        composite=False,
         model_type="qwen3_5_text",
         stock_class="Qwen3_5ForCausalLM",
         auto_class="AutoModelForCausalLM",
@@ -208,12 +210,35 @@ LAYOUTS = {
     ),
     "composite": Layout(
         name="composite",
+        composite=True,
         model_type="qwen3_5",
         stock_class="Qwen3_5ForConditionalGeneration",
         auto_class="AutoModelForImageTextToText",
         fused_class="Qwen3_5FusedForConditionalGeneration",
         pipeline_tag="image-text-to-text",
         auto_map=CONFIG.AUTO_MAP_COMPOSITE,
+    ),
+    # The MoE models (Qwen3.5-35B-A3B, ...): the base's per-expert tensors are copied as they are (the layout stock,
+    # vLLM and SGLang read); a LoRA merges into the 2D projections (attention, DeltaNet, shared expert, router).
+    "moe-text": Layout(
+        name="moe-text",
+        composite=False,
+        model_type="qwen3_5_moe_text",
+        stock_class="Qwen3_5MoeForCausalLM",
+        auto_class="AutoModelForCausalLM",
+        fused_class="Qwen3_5MoeFusedForCausalLM",
+        pipeline_tag="text-generation",
+        auto_map=CONFIG.AUTO_MAP_MOE_TEXT,
+    ),
+    "moe-composite": Layout(
+        name="moe-composite",
+        composite=True,
+        model_type="qwen3_5_moe",
+        stock_class="Qwen3_5MoeForConditionalGeneration",
+        auto_class="AutoModelForImageTextToText",
+        fused_class="Qwen3_5MoeFusedForConditionalGeneration",
+        pipeline_tag="image-text-to-text",
+        auto_map=CONFIG.AUTO_MAP_MOE_COMPOSITE,
     ),
 }
 
@@ -271,15 +296,16 @@ def read_config(folder) -> dict:
 
 
 def detect_layout(config: dict) -> Layout:
-    """Text-only (``qwen3_5_text`` / ``Qwen3_5ForCausalLM``) or composite (``qwen3_5`` with a vision tower)."""
+    """Text-only (``qwen3_5_text`` / ``Qwen3_5ForCausalLM``) or composite (``qwen3_5`` with a vision tower), dense or
+    MoE (``qwen3_5_moe_text`` / ``qwen3_5_moe``)."""
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
-    if model_type == "qwen3_5" or (model_type is None and "Qwen3_5ForConditionalGeneration" in architectures):
-        if "vision_config" not in config:
-            raise ValueError("composite Qwen3.5 config (model_type 'qwen3_5') without a vision_config")
-        return LAYOUTS["composite"]
-    if model_type == "qwen3_5_text" or (model_type is None and "Qwen3_5ForCausalLM" in architectures):
-        return LAYOUTS["text"]
+    for layout in LAYOUTS.values():
+        if model_type == layout.model_type or (model_type is None and layout.stock_class in architectures):
+            if layout.composite and "vision_config" not in config:
+                raise ValueError(f"composite Qwen3.5 config (model_type {layout.model_type!r}) without a "
+                                 "vision_config")
+            return layout
     raise ValueError(f"not a Qwen3.5 checkpoint: model_type={model_type!r}, architectures={architectures!r}")
 
 
@@ -687,7 +713,7 @@ def verification_inputs(config: dict, layout: Layout) -> dict:
     g = torch.Generator().manual_seed(VERIFY_SEED)
     ids = allowed[torch.randint(len(allowed), (VERIFY_BATCH, VERIFY_SEQ_LEN), generator=g)]
     inputs = {"input_ids": ids}
-    if layout.name == "composite":
+    if layout.composite:
         vision = config["vision_config"]
         merge = vision.get("spatial_merge_size", 2)
         grid = (1, 2 * merge, 2 * merge)  # one frame of (2·merge)^2 patches -> 4 image tokens
@@ -896,7 +922,7 @@ def verify_repo(folder, base: Source | str | None = None, adapter: Source | str 
     prompt = inputs["input_ids"][:1, : VERIFY_SEQ_LEN // 2]
     checks = _file_checks(folder, layout, base.path)
 
-    auto = AutoModelForCausalLM if layout.name == "text" else AutoModelForImageTextToText
+    auto = AutoModelForImageTextToText if layout.composite else AutoModelForCausalLM
     with _hub_view(folder) as (repo_id, cache_dir):
         checks["fused_load"], fused_logits, fused_tokens = _load_and_run(
             # revision="main": the snapshot's only ref (unpinned, transformers warns of "a new version downloaded")
@@ -1060,7 +1086,7 @@ def render_model_card(*, repo_id: str, layout: Layout, base: Source, adapter: So
     from huggingface_hub import ModelCardData
 
     # image-text-to-text only where the repo can take images: a composite base that ships its processor files
-    vision = layout.name == "composite" and has_processor
+    vision = layout.composite and has_processor
     tags = ["custom_code", "qwen3_5", "fused-kernels"] + (["lora-merged"] if adapter else [])
     data = ModelCardData(
         library_name="transformers",
@@ -1101,7 +1127,7 @@ def render_model_card(*, repo_id: str, layout: Layout, base: Source, adapter: So
     ]
     if vision:
         lines += [f"Images: `{layout.auto_class}` with `AutoProcessor` (the base's processor files are included).", ""]
-    elif layout.name == "composite":
+    elif layout.composite:
         lines += ["The checkpoint holds the base's vision tower, but the repo ships no processor files, so it is "
                   "listed for text generation.", ""]
     lines += [

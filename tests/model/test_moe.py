@@ -334,7 +334,7 @@ def test_describe_reports_the_moe_block():
     assert "moe_route" in moe["ops"] and "moe_experts" in moe["ops"]
     assert (moe["experts"], moe["experts_per_token"]) == (64, 8)
     assert moe["checkpoint_layouts"].startswith("per-expert (Hub) and 3D")
-    assert report["decode"]["path"] == "fused"
+    assert report["decode"]["path"] == "fused" and "moe_experts" in report["decode"]["ops"]
     fused.set_fused_kernels(False)
     off = fused.describe()["layers"]["moe"]
     assert off["path"] == "stock" and off["reason"] == "fused_kernels is off"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import composite_kwargs, make_hub_snapshot, offline_env, stock_text_config
+from helpers import composite_kwargs, make_hub_snapshot, moe_composite_kwargs, offline_env, stock_text_config
 from scripts import build_repo, push_to_hub
 from scripts.common import code_files
 
@@ -277,6 +277,62 @@ def test_composite_build(composite_build, composite_sources, caplog):
     assert "license" not in meta  # the base states none
 
 
+# LoRA on the MoE model's attention, DeltaNet and shared-expert projections (the routed experts are 3D parameters,
+# which a LoRA of nn.Linear modules does not reach; `gate_proj` / `down_proj` name only the shared expert's here).
+MOE_TARGETS = ["q_proj", "v_proj", "in_proj_qkv", "out_proj", "gate_proj", "down_proj"]
+
+
+@pytest.mark.parametrize("composite", [False, True], ids=["moe-text", "moe-composite"])
+def test_moe_build(tmp_path, composite):
+    """An MoE base in the Hub's per-expert layout with a LoRA merged in: the build copies the experts as they are,
+    merges the adapter in fp32, and verifies (the fused MoE class by id with remote code, stock without)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
+
+    base, adapter, out = tmp_path / "base", tmp_path / "adapter", tmp_path / "out"
+    torch.manual_seed(4)
+    kwargs = moe_composite_kwargs()
+    if composite:
+        Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(**kwargs)).save_pretrained(str(base))
+    else:
+        from transformers import Qwen3_5MoeTextConfig
+
+        Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**kwargs["text_config"])).save_pretrained(str(base))
+    _write_tokenizer(base, chat_template=True)
+    base_weights = _checkpoint(base)
+    assert any(".mlp.experts.0.gate_proj.weight" in k for k in base_weights)  # the Hub's per-expert layout
+    peft_model = get_peft_model(Qwen3_5MoeForCausalLM.from_pretrained(str(base), dtype=torch.float32),
+                                LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=MOE_TARGETS))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    peft_model.save_pretrained(str(adapter))
+    assert any("shared_expert.gate_proj" in k for k in load_file(str(adapter / "adapter_model.safetensors")))
+    rc = build_repo.main(["--base", str(base), "--adapter", str(adapter), "--out", str(out),
+                          "--base-id", "test-org/tiny-moe", "--repo-id", "test-org/tiny-moe-fused"])
+    assert rc == 0
+    result = json.loads((out / "verification.json").read_text())
+    layout = build_repo.LAYOUTS["moe-composite" if composite else "moe-text"]
+    assert result["passed"] and result["layout"] == layout.name, result["failed"]
+    checks = result["checks"]
+    assert checks["fused_load"]["class"] == layout.fused_class and checks["stock_load"]["class"] == layout.stock_class
+    assert checks["fused_load"]["paths"]["moe"].startswith("stock")  # CPU: the kernels are not verified here
+    assert checks["vs_reference"]["rel_err"] <= 1e-5 < checks["vs_reference"]["adapter_effect"]
+    built = _checkpoint(out)
+    reference = _merge_reference(base, adapter, torch.float32, "language_model." if composite else "")
+    assert built.keys() == reference.keys() == base_weights.keys()  # the experts stay per-expert
+    for key in reference:
+        assert torch.equal(built[key], reference[key]), key
+    prefix = "model.language_model." if composite else "model."
+    changed = prefix + "layers.0.mlp.shared_expert.gate_proj.weight"
+    assert not torch.equal(built[changed], base_weights[changed])
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == layout.model_type and config["architectures"] == [layout.stock_class]
+    assert config["auto_map"] == layout.auto_map and (out / "fused_moe.py").is_file()
+
+
 def test_missing_chat_template_warns(composite_sources, tmp_path, caplog):
     base, _ = composite_sources
     with caplog.at_level("WARNING", logger="build_repo"):
@@ -289,6 +345,11 @@ def test_layout_detection():
     assert build_repo.detect_layout({"model_type": "qwen3_5_text"}).stock_class == "Qwen3_5ForCausalLM"
     assert build_repo.detect_layout({"architectures": ["Qwen3_5ForConditionalGeneration"],
                                      "vision_config": {}}).name == "composite"
+    assert build_repo.detect_layout({"model_type": "qwen3_5_moe_text"}).name == "moe-text"
+    assert build_repo.detect_layout({"architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                                     "vision_config": {}}).name == "moe-composite"
+    with pytest.raises(ValueError, match="without a vision_config"):
+        build_repo.detect_layout({"model_type": "qwen3_5_moe"})
     with pytest.raises(ValueError, match="not a Qwen3.5 checkpoint"):
         build_repo.detect_layout({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
 
