@@ -91,6 +91,8 @@ def test_recorded_outputs_match_stock(shape):
             assert x.shape == y.shape, (field, i)
             assert rel_err(x, y) <= BOUND, (field, i, rel_err(x, y))
     assert len(got.router_logits) == stock.config.num_hidden_layers
+    # such a call runs the fused layers eagerly at its own length (not at its length bucket), said once
+    assert "forward-graph/the argument output_router_logits=True" in plan_mod.announced()
     assert rel_err(got.aux_loss, want.aux_loss) <= BOUND
     assert rel_err(got.logits, want.logits) <= BOUND
 
@@ -413,3 +415,21 @@ def test_stock_configs_save_stock_architectures_and_the_moe_auto_map(tmp_path):
     assert saved["model_type"] == "qwen3_5_moe" and saved["text_config"]["model_type"] == "qwen3_5_moe_text"
     assert isinstance(configuration.Qwen3_5MoeFusedConfig.from_pretrained(tmp_path).text_config,
                       configuration.Qwen3_5MoeFusedTextConfig)
+
+
+def test_both_supported_transformers_convert_the_per_expert_layout():
+    """5.17 and 5.24 both have the conversion API the remote MoE classes register with (CI runs both)."""
+    assert compat.EXPERT_LAYOUTS_REASON is None
+
+
+def test_a_transformers_without_the_conversion_api_is_announced(monkeypatch, caplog):
+    reason = "transformers.conversion_mapping has no register_checkpoint_conversion_mapping"
+    monkeypatch.setattr(modeling, "EXPERT_LAYOUTS_REASON", reason)
+    plan_mod._announced.discard("moe/layouts")
+    with caplog.at_level("WARNING"):
+        model = modeling.Qwen3_5MoeFusedForCausalLM(
+            configuration.Qwen3_5MoeFusedTextConfig(**tiny_moe_text_kwargs()))
+        modeling.Qwen3_5MoeFusedForCausalLM(configuration.Qwen3_5MoeFusedTextConfig(**tiny_moe_text_kwargs()))
+    assert caplog.text.count("only checkpoints in transformers' 3D expert layout load") == 1  # said once
+    assert model.describe()["layers"]["moe"]["checkpoint_layouts"] == f"3D only: {reason}"
+    plan_mod._announced.discard("moe/layouts")
