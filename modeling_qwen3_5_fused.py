@@ -508,7 +508,7 @@ class _FusedConditionalGenerationMixin(_FusedPreTrainedMixin):
         return self.model
 
 
-# -- the dense models ---------------------------------------------------------------------------------------------------
+# -- the dense models --------------------------------------------------------------------------------------------------
 
 
 class Qwen3_5FusedTextModel(_FusedTextModelMixin, Qwen3_5TextModel):
@@ -549,7 +549,7 @@ class Qwen3_5FusedForConditionalGeneration(
     _backbone = Qwen3_5FusedModel
 
 
-# -- the MoE models (Qwen3.5-35B-A3B, ...) ------------------------------------------------------------------------------
+# -- the MoE models (Qwen3.5-35B-A3B, ...) -----------------------------------------------------------------------------
 
 
 class _FusedMoeMixin:
