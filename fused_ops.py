@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """Fused inference ops for Qwen3.5: the public API of the `fused_ops_*` modules, one per op family.
 
 Model code imports the ops from here only. Each op is a Triton kernel (or fla glue) behind a `name()` wrapper that

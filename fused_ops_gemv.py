@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """The decode step's linears for 1-16 rows (GEMV) and the per-shape choice between it and cuBLAS.
 
 - `gemv`: `x @ w.T` as one weight read, optionally with the SwiGLU of the packed gate|up projection or the DeltaNet

@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """The sparse MoE block of Qwen3.5-MoE (`qwen3_5_moe_text`): routing and the routed experts, each op beside its
 plain-torch reference.
 
