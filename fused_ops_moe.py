@@ -163,8 +163,9 @@ def moe_route_ref(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
 _DECODE_MAX_T = 16  # a decode step of batch 1-16; more tokens take the grouped GEMMs
 # (BLOCK_N, BLOCK_K, warps) of the two GEMVs. Not tuned on an H200 yet; the reasoning: at T=1 the 35B-A3B shape
 # (k=8, I=512, H=2048) gives the gate|up GEMV k * I / 16 = 256 programs and the down GEMV H / 8 = 256, about two
-# per SM of the H200's 132, each reading 16 (or 8 x k) weight rows in 512-element tiles, a 16-byte load per thread.
-_DECODE_GATE_UP = (16, 512, 4)
+# per SM of the H200's 132, each reading 16 gate + 16 up (or 8 x k) weight rows; the [BLOCK_N, BLOCK_K] float32
+# accumulators (two for gate|up) take 64 and 32 registers a thread, within `fused_ops_gemv._GEMV_ACC_REGS`.
+_DECODE_GATE_UP = (16, 256, 4)
 _DECODE_DOWN = (8, 512, 4)
 
 if HAS_TRITON:
