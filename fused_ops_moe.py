@@ -38,9 +38,9 @@ if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
 # ---------------------------------------------------------------------------------------------------------------------
 # Routing: softmax over the experts, top-k, renormalised
 #
-# Why a kernel of our own: stock routes with four launches after the router linear (softmax, topk, sum, divide, plus
-# the cast), each a pass over a [T, E] or [T, k] tensor; at decode they are five of the block's ~15 launches. One
-# program holds a token's whole row of logits (E <= 512 floats), so one launch does it all from registers.
+# Why a kernel of our own: after the router linear stock launches softmax, topk, sum, divide and the cast, each a
+# pass over a [T, E] or [T, k] tensor: five launches a decode step where one does. One program holds a token's whole
+# row of logits (E <= 512 floats), so one launch does it all from registers.
 # ---------------------------------------------------------------------------------------------------------------------
 
 _ROUTE_MAX_E = 512
@@ -90,7 +90,7 @@ def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Ten
     first, and among equal logits the lower expert index first. `torch.topk` (stock, `moe_route_ref`) leaves the
     order of ties unspecified, and on CPU does not take the lower index (16 equal logits, k=2 -> [10, 11]); the two
     agree on the weights always, and on the ids wherever no two picked experts (or a picked and an unpicked one)
-    have equal logits. Experts whose float32 probability underflows to 0 (logits > ~87 below the row's max) are
+    have equal logits. Experts whose float32 probability underflows to 0 (logits ~90 or more below the row's max) are
     ordered by logit here, by torch's tie order there; their weight is 0 in both.
 
     Args:
@@ -150,8 +150,8 @@ def moe_route_ref(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
 # Routed experts at decode (T <= _DECODE_MAX_T): a gate|up GEMV over the picked experts' rows with the SwiGLU in its
 # epilogue, then a down GEMV that also weighs and sums each token's k experts and adds the gated shared expert
 #
-# Why kernels of our own: a decode step of the MoE block is a weight read of the k picked experts (8 of 256: 6 MB
-# at the 35B-A3B shape in bf16, against 403 MB for all), and stock's paths either loop over the experts hit with
+# Why kernels of our own: a decode step of the MoE block is a weight read of the k picked experts (8 of 256: 50 MB
+# at the 35B-A3B shape in bf16, against 1.6 GB for all), and stock's paths either loop over the experts hit with
 # ~10 launches each and a host sync (`eager`), read the [T*k, 2I, H] gathered weights back after copying them
 # (`batched_mm`), or run a grouped GEMM built for many rows per expert (`grouped_mm`). Here each program reads the
 # rows of its expert straight from the stacked [E, 2I, H] / [E, H, I] weights by the id the router wrote, so the

@@ -23,11 +23,12 @@ if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
 # Grouped GEMMs over the experts hit, SwiGLU in the first one's epilogue
 #
 # Why our own grouped GEMM rather than `torch._grouped_mm` (stock's `grouped_mm` path; torch 2.11 / 2.13 have it):
-# on CUDA it takes bf16 only (fp32 / fp16 models would need a second path), wants 16-byte aligned strides, and
-# fuses nothing: it needs x gathered into expert order first (a [P, H] copy), a separate SwiGLU pass over [P, 2I],
-# and the rows put back in token order after the down GEMM. Here the first GEMM loads x's rows through the sorted
-# order (no gathered copy), applies the SwiGLU before its single store, the second stores each row straight to its
-# (token, slot) place, and the same three kernels run every dtype and run under the Triton interpreter (CPU tests).
+# on CUDA it takes bf16 only (torch's `F.grouped_mm` docs: bf16 on SM80+; fp32 / fp16 models would need a second
+# path), wants 16-byte aligned strides and int32 offsets, and fuses nothing: it needs x gathered into expert order
+# first (a [P, H] copy), a separate SwiGLU pass over [P, 2I], and the rows put back in token order after the down
+# GEMM. Here the first GEMM loads x's rows through the sorted order (no gathered copy) and applies the SwiGLU before
+# its single store, the second stores each row straight to its (token, slot) place, and the same three kernels run
+# every dtype and run under the Triton interpreter (CPU tests).
 # What this costs against CUTLASS's grouped GEMM (`torch._grouped_mm`) on an H200 is not measured yet:
 # `scripts/benchmark_moe.py` times both (stock `grouped_mm` is that path) at the 35B-A3B shape.
 #
