@@ -12,6 +12,8 @@ validates its inputs, with a plain-torch `name_ref()` beside it taking the same 
 - `fused_ops_deltanet`: `causal_conv1d_step`, `gated_delta_rule_step`, `deltanet_prep`, `gated_delta_rule_prefill`
   (with `prefill_rule_kernel`).
 - `fused_ops_gemv`: `gemv`, `small_linear` (with `small_linear_choices`, `gemv_late_signal_min_elems`).
+- `fused_ops_moe`: `moe_route`, `moe_experts` (Qwen3.5-MoE's sparse block; its prefill grouped GEMMs in
+  `fused_ops_moe_gemm`).
 
 A module constant (a block size, `PDL_ENABLED`, `_GEMV_LATE_TRIGGER_ELEMS`) is read by the module that defines it:
 set or patch it there, not here.
@@ -51,6 +53,7 @@ from .fused_ops_gemv import (
     small_linear_choices,
     small_linear_ref,
 )
+from .fused_ops_moe import moe_experts, moe_experts_ref, moe_route, moe_route_ref
 from .fused_ops_norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref, swiglu, swiglu_ref
 from .fused_ops_runtime import (
     HAS_FLA,
@@ -74,6 +77,8 @@ KERNEL_OPS = (
     "gated_delta_rule_prefill",
     "decode_attention",
     "mrope_step",
+    "moe_route",
+    "moe_experts",
 )
 
 
@@ -109,6 +114,10 @@ __all__ = [
     "kernels_available",
     "mrope_step",
     "mrope_step_ref",
+    "moe_experts",
+    "moe_experts_ref",
+    "moe_route",
+    "moe_route_ref",
     "op_set",
     "pdl_enabled",
     "prefill_rule_kernel",

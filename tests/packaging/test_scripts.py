@@ -133,6 +133,23 @@ def test_benchmark_gemv_shapes_and_cpu_refusal():
             benchmark_gemv.main(["--shapes", "0.8B"])
 
 
+def test_benchmark_moe_runs_on_cpu(tmp_path):
+    """The MoE block benchmark end to end at the tiny shape (our kernels under the interpreter): a decode and a
+    prefill token count, every variant timed or its failure reported, the floors, and ours equal to stock's block."""
+    from scripts import benchmark_moe
+
+    results = benchmark_moe.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--tokens", "1,17",
+                                  "--repeats", "1", "--out", str(tmp_path)])
+    decode, prefill = results["tokens"]["1"], results["tokens"]["17"]
+    assert decode["floor"]["kind"] == "weight read" and prefill["floor"]["kind"] == "active flops"
+    for r in (decode, prefill):
+        assert {"fused", "experts-ours", "stock-eager", "experts-stock-eager"} <= set(r["times"]), r["errors"]
+        for impl in results["meta"]["stock_impls"]:
+            assert f"stock-{impl}" in {**r["times"], **r["errors"]}
+        assert r["rel_err_vs_stock_eager"] < 2e-5 and r["floor"]["block_ms"] > 0
+    assert "| 17 | fused |" in (tmp_path / "moe.md").read_text()
+
+
 def _ab(tmp_path, *variants, batches="1,2"):
     args = ["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", batches, "--new-tokens", "3",
             "--repeats", "1", "--out", str(tmp_path)]
