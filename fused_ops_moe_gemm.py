@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """The routed experts of Qwen3.5-MoE for many tokens (prefill): grouped GEMMs over the experts the tokens picked.
 
 - `moe_experts_prefill`: `moe_experts` (in `fused_ops_moe`, which decides the path and validates) for T > 16 tokens:
