@@ -154,3 +154,14 @@ def test_shipped_model_loads_as_image_text_to_text_from_local_folder(tmp_path):
     assert result["True"]["class"] == "Qwen3_5FusedForConditionalGeneration"
     assert result["False"]["class"] == "Qwen3_5ForConditionalGeneration"
     assert not result["True"]["missing"] and not result["True"]["unexpected"]
+
+
+def test_every_code_file_starts_with_the_copyright_line():
+    """Each file the Hub copies opens with the repo's copyright and license line (transformers' own
+    `test_can_init_all_missing_weights` reads the year from the configuration file's first `# Copyright` line and
+    skips models without one)."""
+    import re
+
+    for name in CODE_FILES:
+        first = (REPO / name).read_text().splitlines()[0]
+        assert re.fullmatch(r"# Copyright 20\d\d .*Apache License, Version 2\.0\.", first), f"{name}: {first!r}"
