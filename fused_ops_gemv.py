@@ -99,6 +99,10 @@ _GEMV_CONFIGS = tuple(GemvConfig(*c) for c in (
     (1, 512, 4, False, 2), (8, 256, 4, False, 2), (4, 2048, 8, False), (2, 2048, 8, False, 2),
 ))
 _GEMV_MAX_M = 16
+# `small_linear` times the GEMV against cuBLAS up to this many rows and takes cuBLAS past it without timing. At 8 rows
+# cuBLAS won every decode shape (the best GEMV 1.1x-3x slower; docs/DESIGN.md), and 5-7 rows run the same 8-row
+# tiles, so timing there only compiled and timed the 14 configs at each new batch size for a choice already known.
+_GEMV_TIMED_MAX_M = 4
 # With PDL a GEMV of at least this many weight elements lets the next kernel launch only after its K loop, not at its
 # start. Launched at the start, the next kernel's programs (and, through its own early signal, the GEMV after it) take
 # SM slots while this GEMV still has waves to run, and sit in their wait holding them. In-process A/B (H200,
@@ -514,13 +518,14 @@ def small_linear(
     step's eager warm-up): read from the card's record on disk (`recorded_choice`) if an earlier process made it,
     else timed as the captured step runs it (each candidate in a CUDA graph over the weight and copies of it, weights
     cold in L2, `_time_in_graph_ms`; with the conv on a copy of its state, so cuBLAS's extra conv launch is timed too)
-    and recorded; kept for the process. A shape first met inside a capture, more than 16 rows, or a weight `gemv`
-    does not take, uses cuBLAS. One decision point."""
+    and recorded; kept for the process. A shape first met inside a capture, more than `_GEMV_TIMED_MAX_M` (4) rows,
+    or a weight `gemv` does not take, uses cuBLAS. One decision point."""
     key = (x.shape[0], w.shape[0], w.shape[1], gate_up, x.dtype, x.device)
     choice = _small_linear_choice.get(key)
     if choice is not None:
         return _run_small_linear(x, w, gate_up, choice, conv)
-    eligible = HAS_TRITON and x.is_cuda and x.shape[0] <= _GEMV_MAX_M and w.is_contiguous() and w.dtype == x.dtype
+    eligible = (HAS_TRITON and x.is_cuda and x.shape[0] <= _GEMV_TIMED_MAX_M and w.is_contiguous()
+                and w.dtype == x.dtype)
     if not eligible or torch.cuda.is_current_stream_capturing():
         _small_linear_choice[key] = "cublas"
         return _run_small_linear(x, w, gate_up, "cublas", conv)
