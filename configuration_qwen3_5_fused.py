@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """Configuration for the fused Qwen3.5 remote-code model.
 
 The classes subclass the stock transformers Qwen3.5 configs (dense and MoE) and keep their ``model_type`` values
@@ -45,12 +46,14 @@ AUTO_MAP_TEXT = {
     "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5FusedTextConfig",
     "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedTextModel",
     "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_qwen3_5_fused.Qwen3_5FusedTextForSequenceClassification",
 }
 AUTO_MAP_COMPOSITE = {
     "AutoConfig": "configuration_qwen3_5_fused.Qwen3_5FusedConfig",
     "AutoModel": "modeling_qwen3_5_fused.Qwen3_5FusedModel",
     "AutoModelForCausalLM": "modeling_qwen3_5_fused.Qwen3_5FusedForCausalLMLoader",
     "AutoModelForImageTextToText": "modeling_qwen3_5_fused.Qwen3_5FusedForConditionalGeneration",
+    "AutoModelForSequenceClassification": "modeling_qwen3_5_fused.Qwen3_5FusedForSequenceClassification",
 }
 # The same for the MoE models (Qwen3.5-35B-A3B, ...).
 AUTO_MAP_MOE_TEXT = {

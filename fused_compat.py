@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """Everything that depends on the transformers version or touches a private transformers API, in one place.
 
 The fused classes subclass stock Qwen3.5 (public API). Three things are not public and live here only:

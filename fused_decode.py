@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """The fused decode step: one decode bucket's preallocated state, the step over it, its CUDA graph, and the cache
 object ``generate`` carries.
 

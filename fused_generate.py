@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """The fused ``generate`` loop: stock ``_sample``'s token rule over a :class:`FusedDecodeCache`, with the model call
 reduced to one replayed step plus the LM head, and the all-rows-stopped check read from the host in batches.
 

@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """CUDA-graph machinery of the fused path: capture and failed-capture recovery, the weights check before a replay,
 length buckets, a least-recently-used store, and the two captured forwards (no-cache right-padded, and left-padded
 with masked positions writing a decode state).

@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """The fused layer modules: packed projections, and subclasses of the stock Qwen3.5 layers built as what they are.
 
 Each module subclasses its stock class and keeps every parameter, name and shape (the state dict is stock's), so a

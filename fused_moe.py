@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """The fused layers of the Qwen3.5 MoE models (``qwen3_5_moe_text``): the sparse MoE block and the MoE decoder layer.
 
 The MoE decoder layer is the dense fused layer (``fused_layers``: Gated DeltaNet, gated attention, RMSNorms,

@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """Fused inference ops for Qwen3.5: the public API of the `fused_ops_*` modules, one per op family.
 
 Model code imports the ops from here only. Each op is a Triton kernel (or fla glue) behind a `name()` wrapper that
@@ -11,7 +12,8 @@ validates its inputs, with a plain-torch `name_ref()` beside it taking the same 
 - `fused_ops_deltanet`: `causal_conv1d_step`, `gated_delta_rule_step`, `deltanet_prep`, `gated_delta_rule_prefill`
   (with `prefill_rule_kernel`).
 - `fused_ops_gemv`: `gemv`, `small_linear` (with `small_linear_choices`, `gemv_late_signal_min_elems`).
-- `fused_ops_moe`: `moe_route`, `moe_experts` (the sparse MoE block of the MoE models).
+- `fused_ops_moe`: `moe_route`, `moe_experts` (Qwen3.5-MoE's sparse block; its prefill grouped GEMMs in
+  `fused_ops_moe_gemm`).
 
 A module constant (a block size, `PDL_ENABLED`, `_GEMV_LATE_TRIGGER_ELEMS`) is read by the module that defines it:
 set or patch it there, not here.
@@ -51,7 +53,7 @@ from .fused_ops_gemv import (
     small_linear_choices,
     small_linear_ref,
 )
-from .fused_ops_moe import moe_experts_ref, moe_route_ref
+from .fused_ops_moe import moe_experts, moe_experts_ref, moe_route, moe_route_ref
 from .fused_ops_norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref, swiglu, swiglu_ref
 from .fused_ops_runtime import (
     HAS_FLA,
@@ -61,8 +63,6 @@ from .fused_ops_runtime import (
     pdl_enabled,
     reset_rng_after_failed_capture,
 )
-
-moe_route, moe_experts = moe_route_ref, moe_experts_ref  # until the MoE kernels land
 
 # The ops the model's fused path calls; each has a `name_ref` taking the same arguments.
 KERNEL_OPS = (
@@ -112,12 +112,12 @@ __all__ = [
     "gemv_late_signal_min_elems",
     "gemv_ref",
     "kernels_available",
+    "mrope_step",
+    "mrope_step_ref",
     "moe_experts",
     "moe_experts_ref",
     "moe_route",
     "moe_route_ref",
-    "mrope_step",
-    "mrope_step_ref",
     "op_set",
     "pdl_enabled",
     "prefill_rule_kernel",

@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """Fused full-attention ops of Qwen3.5: Triton kernels, each beside its plain-torch reference.
 
 - `attn_prep`: split of the fused q|gate, k, v projection -> q / k RMSNorm -> partial (m)RoPE, one launch (for a

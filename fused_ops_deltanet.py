@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """Fused Gated DeltaNet ops of Qwen3.5: Triton kernels and fla glue, each beside its plain-torch reference.
 
 - `causal_conv1d_step`, `gated_delta_rule_step`: the single-token (decode) step of a Gated DeltaNet layer, state

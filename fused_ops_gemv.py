@@ -1,9 +1,11 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """The decode step's linears for 1-16 rows (GEMV) and the per-shape choice between it and cuBLAS.
 
 - `gemv`: `x @ w.T` as one weight read, optionally with the SwiGLU of the packed gate|up projection or the DeltaNet
   conv step (`causal_conv1d_step` on the first columns, state in place) in its epilogue; replaces stock's
   `nn.Linear` (and the `act_fn(gate) * up` / `causal_conv1d_update` launch after it) at decode.
-- `small_linear`: picks `gemv` (a `GemvConfig`) or cuBLAS per shape by timing both once in a CUDA graph;
+- `small_linear`: picks `gemv` (a `GemvConfig`) or cuBLAS per shape by timing both once in a CUDA graph, and
+  records the pick per card beside Triton's cache for later processes (`RECORD_CHOICES`);
   `small_linear_choices` reports the picks, `gemv_late_signal_min_elems` the PDL late-signal threshold
   (`_GEMV_LATE_TRIGGER_ELEMS`, read here: patch it on this module).
 
@@ -11,7 +13,12 @@ Each op: kernel -> wrapper (validates; ValueError names the values) -> torch `na
 """
 
 import contextlib
+import hashlib
+import json
 import logging
+import os
+import threading
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -92,6 +99,10 @@ _GEMV_CONFIGS = tuple(GemvConfig(*c) for c in (
     (1, 512, 4, False, 2), (8, 256, 4, False, 2), (4, 2048, 8, False), (2, 2048, 8, False, 2),
 ))
 _GEMV_MAX_M = 16
+# `small_linear` times the GEMV against cuBLAS up to this many rows and takes cuBLAS past it without timing. At 8 rows
+# cuBLAS won every decode shape (the best GEMV 1.1x-3x slower; docs/DESIGN.md), and 5-7 rows run the same 8-row
+# tiles, so timing there only compiled and timed the 14 configs at each new batch size for a choice already known.
+_GEMV_TIMED_MAX_M = 4
 # With PDL a GEMV of at least this many weight elements lets the next kernel launch only after its K loop, not at its
 # start. Launched at the start, the next kernel's programs (and, through its own early signal, the GEMV after it) take
 # SM slots while this GEMV still has waves to run, and sit in their wait holding them. In-process A/B (H200,
@@ -390,6 +401,110 @@ def _run_small_linear(x, w, gate_up, choice, conv=None):
     return gemv(x, w, gate_up, choice, conv)
 
 
+# The per-card record of the choices. Timing a new decode shape compiles and times every candidate (tens of seconds
+# for a new batch size at 4B on the H200, most of it compiling), so each choice is also written to a JSON file beside
+# Triton's own on-disk cache (`triton.knobs.cache.dir`, which TRITON_CACHE_DIR sets), one file per card, torch,
+# triton, candidate list and PDL setting: a later process on the same card reads the choice and compiles only that
+# kernel. Clearing Triton's cache clears the record with the kernels. The file is rewritten whole (temp file + rename)
+# under a lock per process; two processes writing at once can drop each other's new entries, never corrupt the file.
+_RECORD_VERSION = 1
+RECORD_CHOICES = True  # False: neither read nor write the record (a benchmark that must time every shape)
+_record_lock = threading.Lock()
+_records: dict = {}  # path -> {key string: choice as JSON}, read once per process
+_told_rows: set = set()  # (rows, device) announced as being timed
+
+
+def _record_path(device: torch.device) -> Path | None:
+    """The record file for `device` in this environment, or None (no Triton cache directory)."""
+    cache_dir = getattr(getattr(getattr(triton, "knobs", None), "cache", None), "dir", None) if HAS_TRITON else None
+    if not cache_dir or not RECORD_CHOICES:
+        return None
+    props = torch.cuda.get_device_properties(device)
+    env = (_RECORD_VERSION, props.name, props.major, props.minor, torch.__version__, triton.__version__,
+           _GEMV_CONFIGS, _GEMV_ACC_REGS, pdl_enabled(device))
+    return Path(cache_dir) / "qwen3_5_fused" / f"small_linear_{hashlib.sha256(repr(env).encode()).hexdigest()[:16]}.json"
+
+
+def _record_key(key: tuple) -> str:
+    m, n, k, gate_up, dtype, _device = key
+    return f"{m}x{n}x{k}{'-gate_up' if gate_up else ''}-{str(dtype).removeprefix('torch.')}"
+
+
+def _load_record(path: Path) -> dict:
+    """The record at `path` ({} if absent or unreadable: it is rewritten whole at the next choice)."""
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def recorded_choice(path: Path | None, key: tuple):
+    """The choice recorded for `key` ("cublas" or a `GemvConfig`), or None."""
+    if path is None:
+        return None
+    with _record_lock:
+        if path not in _records:
+            _records[path] = _load_record(path)
+        saved = _records[path].get(_record_key(key))
+    if saved == "cublas":
+        return saved
+    if isinstance(saved, list) and GemvConfig(*saved) in _GEMV_CONFIGS:
+        return GemvConfig(*saved)
+    return None
+
+
+def record_choice(path: Path | None, key: tuple, choice) -> None:
+    """Add `key -> choice` to the record at `path` (merged with what another process wrote since)."""
+    if path is None:
+        return
+    with _record_lock:
+        record = {**_records.get(path, {}), **_load_record(path)}
+        record[_record_key(key)] = choice if choice == "cublas" else list(choice)
+        _records[path] = record
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError as err:  # a read-only cache: the choice still holds for this process
+            logging.getLogger(__name__).info("Qwen3.5 fused kernels: could not record %s (%s).", path, err)
+
+
+def _announce_timing(rows: int, device: torch.device, path: Path | None) -> None:
+    """One log line the first time a decode shape with `rows` rows is timed on `device` in this process."""
+    if (rows, device) in _told_rows:
+        return
+    _told_rows.add((rows, device))
+    where = f"; the choices are recorded in {path.parent} for later processes" if path is not None else ""
+    logging.getLogger(__name__).warning(
+        "Qwen3.5 fused kernels: first decode step with %d row(s) on this card: compiling and timing its linear "
+        "kernels once (this call can take tens of seconds%s).", rows, where)
+
+
+def _time_candidates(x, w, gate_up, conv) -> dict:
+    """ms per call of each candidate ("cublas" and the `_GEMV_CONFIGS`) for this shape, as the captured step runs
+    them (see `_time_in_graph_ms`); a candidate that fails is left out, said once."""
+    with torch.cuda.device(x.device):  # the events must time x's device (device_map puts layers elsewhere)
+        weights = _timing_weights(w)
+        # with the conv, as it will run (cuBLAS then pays the conv step's launch), on a copy of its state
+        scratch = (conv[0].clone(), *conv[1:]) if conv is not None else None
+        timings = {}
+        for cand in ("cublas", *_GEMV_CONFIGS):
+            try:
+                timings[cand] = _time_in_graph_ms(
+                    lambda w_, cand=cand: _run_small_linear(x, w_, gate_up, cand, scratch), weights)
+            except Exception as err:  # noqa: BLE001 - a candidate that fails here is not chosen, said once
+                if cand not in _timing_failed:
+                    _timing_failed.add(cand)
+                    logging.getLogger(__name__).warning(
+                        "Qwen3.5 fused kernels: timing the decode linear candidate %s failed here (%s: %s); "
+                        "the decode step uses %s.", cand, type(err).__name__, err,
+                        "cuBLAS" if cand == "cublas" else "the other candidates")
+        del weights, scratch
+    return timings
+
+
 def small_linear(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -399,37 +514,37 @@ def small_linear(
     """The decode step's linear: `x @ w.T` ([M, K] x [N, K]), or with `gate_up` the SwiGLU of the packed gate|up
     projection, or with `conv` (`gemv`'s argument) the DeltaNet conv step on its first C columns, by cuBLAS
     (`F.linear`, then `swiglu` / `causal_conv1d_step`) or by `gemv` (one launch), whichever runs faster on this card
-    for this shape. The choice is timed once per shape, at its first call outside CUDA-graph capture (the decode
-    step's eager warm-up), as the captured step runs it: each candidate in a CUDA graph over the weight and copies of
-    it, weights cold in L2 (`_time_in_graph_ms`; with the conv on a copy of its state, so cuBLAS's extra conv launch
-    is timed too), and kept for the process; a shape first met inside a capture, more than 16 rows, or a weight
-    `gemv` does not take, uses cuBLAS. One decision point."""
+    for this shape. The choice is made once per shape, at its first call outside CUDA-graph capture (the decode
+    step's eager warm-up): read from the card's record on disk (`recorded_choice`) if an earlier process made it,
+    else timed as the captured step runs it (each candidate in a CUDA graph over the weight and copies of it, weights
+    cold in L2, `_time_in_graph_ms`; with the conv on a copy of its state, so cuBLAS's extra conv launch is timed too)
+    and recorded; kept for the process. A shape first met inside a capture, more than `_GEMV_TIMED_MAX_M` (4) rows,
+    or a weight `gemv` does not take, uses cuBLAS. One decision point."""
     key = (x.shape[0], w.shape[0], w.shape[1], gate_up, x.dtype, x.device)
     choice = _small_linear_choice.get(key)
-    if choice is None:
-        choice = "cublas"
-        eligible = HAS_TRITON and x.is_cuda and x.shape[0] <= _GEMV_MAX_M and w.is_contiguous() and w.dtype == x.dtype
-        if eligible and not torch.cuda.is_current_stream_capturing():
-            with torch.cuda.device(x.device):  # the events must time x's device (device_map puts layers elsewhere)
-                weights = _timing_weights(w)
-                # with the conv, as it will run (cuBLAS then pays the conv step's launch), on a copy of its state
-                scratch = (conv[0].clone(), *conv[1:]) if conv is not None else None
-                timings = {}
-                for cand in ("cublas", *_GEMV_CONFIGS):
-                    try:
-                        timings[cand] = _time_in_graph_ms(
-                            lambda w_, cand=cand: _run_small_linear(x, w_, gate_up, cand, scratch), weights)
-                    except Exception as err:  # noqa: BLE001 - a candidate that fails here is not chosen, said once
-                        if cand not in _timing_failed:
-                            _timing_failed.add(cand)
-                            logging.getLogger(__name__).warning(
-                                "Qwen3.5 fused kernels: timing the decode linear candidate %s failed here (%s: %s); "
-                                "the decode step uses %s.", cand, type(err).__name__, err,
-                                "cuBLAS" if cand == "cublas" else "the other candidates")
-                del weights, scratch
-            # cuBLAS is the reference point: if it could not be timed (a capture that fails here), nothing is compared
-            choice = min(timings, key=timings.get) if "cublas" in timings else "cublas"
-        _small_linear_choice[key] = choice
+    if choice is not None:
+        return _run_small_linear(x, w, gate_up, choice, conv)
+    eligible = (HAS_TRITON and x.is_cuda and x.shape[0] <= _GEMV_TIMED_MAX_M and w.is_contiguous()
+                and w.dtype == x.dtype)
+    if not eligible or torch.cuda.is_current_stream_capturing():
+        _small_linear_choice[key] = "cublas"
+        return _run_small_linear(x, w, gate_up, "cublas", conv)
+    path = _record_path(x.device)
+    choice = recorded_choice(path, key)
+    if choice is not None:
+        try:  # the eager call this step needs anyway; a recorded kernel that no longer runs here is timed again
+            y = _run_small_linear(x, w, gate_up, choice, conv)
+            _small_linear_choice[key] = choice
+            return y
+        except Exception:  # noqa: BLE001 - fall through to timing (conv state untouched: a launch failed first)
+            pass
+    _announce_timing(x.shape[0], x.device, path)
+    timings = _time_candidates(x, w, gate_up, conv)
+    # cuBLAS is the reference point: if it could not be timed (a capture that fails here), nothing is compared
+    choice = min(timings, key=timings.get) if "cublas" in timings else "cublas"
+    if "cublas" in timings:
+        record_choice(path, key, choice)
+    _small_linear_choice[key] = choice
     return _run_small_linear(x, w, gate_up, choice, conv)
 
 

@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """The sparse MoE block of Qwen3.5-MoE (`qwen3_5_moe_text`): routing and the routed experts, each op beside its
 plain-torch reference.
 
@@ -6,20 +7,124 @@ plain-torch reference.
 - `moe_experts`: the routed experts' SwiGLU MLPs on the tokens that picked them, weighted and summed per token, plus
   the shared expert's output times the sigmoid of its gate; replaces stock `Qwen3_5MoeExperts.forward` and the
   `expert_output + sigmoid(shared_expert_gate(x)) * shared_expert_output` of `Qwen3_5MoeSparseMoeBlock.forward`.
+  Up to `_DECODE_MAX_T` tokens it runs two GEMV kernels here (decode); past that the grouped GEMMs of
+  `fused_ops_moe_gemm` (prefill).
 
 Each op: kernel -> wrapper (validates; ValueError names the values) -> torch `name_ref` below it (dtypes: runtime).
+Shape alphabet here: T tokens, H hidden size, E experts, k experts per token, I expert intermediate size.
 """
 
 import torch
 
+from .fused_ops_moe_gemm import moe_experts_prefill
+from .fused_ops_runtime import (
+    HAS_TRITON,
+    _check_float,
+    _check_last_dim_contiguous,
+    _check_same_device,
+    _check_triton,
+    _device_guard,
+    _num_warps,
+    _pdl_launch,
+    _units_per_program,
+    pdl_enabled,
+    tl,
+    triton,
+)
 
-def _check_routing(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_experts: int) -> None:
-    if x.dim() != 2 or weights.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
-        raise ValueError(f"moe_experts needs x [T, H], weights [T, k] and ids [T, k], got {tuple(x.shape)}, "
-                         f"{tuple(weights.shape)} and {tuple(ids.shape)}.")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n_experts):
-        raise ValueError(f"moe_experts: expert ids must lie in [0, {n_experts}), got {int(ids.min())} to "
-                         f"{int(ids.max())}.")
+if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
+    from .fused_ops_runtime import _pdl_wait, _round_to
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Routing: softmax over the experts, top-k, renormalised
+#
+# Why a kernel of our own: after the router linear stock launches softmax, topk, sum, divide and the cast, each a
+# pass over a [T, E] or [T, k] tensor: five launches a decode step where one does. One program holds a token's whole
+# row of logits (E <= 512 floats), so one launch does it all from registers.
+# ---------------------------------------------------------------------------------------------------------------------
+
+_ROUTE_MAX_E = 512
+_ROUTE_MAX_K = 16
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _moe_route_kernel(
+        l_ptr, w_ptr, i_ptr, T, E, stride_l,
+        TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    ):
+        _pdl_wait(PDL)  # the logits come from the router linear just before
+        o_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] tokens
+        m_t = o_t < T
+        o_e = tl.arange(0, BLOCK_E)  # [BE] experts
+        m_te = m_t[:, None] & (o_e < E)[None, :]  # [BT, BE]
+        b_l = tl.load(l_ptr + o_t.to(tl.int64)[:, None] * stride_l + o_e[None, :], mask=m_te,
+                      other=float("-inf")).to(tl.float32)  # [BT, BE]
+        b_p = tl.exp(b_l - tl.max(b_l, axis=1)[:, None])  # lanes past E: exp(-inf) = 0
+        b_p = b_p / tl.sum(b_p, axis=1)[:, None]  # [BT, BE] probabilities, float32 as stock's softmax
+        # top-k by logit (softmax is monotone), largest first, a tie to the lower expert index
+        avail = m_te
+        o_k = tl.arange(0, BLOCK_K)
+        b_w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        b_i = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            b_v = tl.max(tl.where(avail, b_l, float("-inf")), axis=1)  # [BT]
+            b_idx = tl.min(tl.where(avail & (b_l == b_v[:, None]), o_e[None, :], BLOCK_E), axis=1)  # [BT]
+            sel = o_e[None, :] == b_idx[:, None]  # [BT, BE]
+            avail = avail & ~sel
+            b_w = tl.where(o_k[None, :] == j, tl.sum(tl.where(sel, b_p, 0.0), axis=1)[:, None], b_w)
+            b_i = tl.where(o_k[None, :] == j, b_idx[:, None], b_i)
+        b_w = b_w / tl.sum(b_w, axis=1)[:, None]  # renormalised over the k picked (unused lanes are 0)
+        m_tk = m_t[:, None] & (o_k < TOP_K)[None, :]
+        p_o = o_t.to(tl.int64)[:, None] * TOP_K + o_k[None, :]
+        dt = w_ptr.dtype.element_ty
+        tl.store(w_ptr + p_o, _round_to(b_w, dt).to(dt), mask=m_tk)
+        tl.store(i_ptr + p_o, b_i.to(tl.int64), mask=m_tk)
+
+
+def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's top-k: `p = softmax(logits)` in float32, its k largest, `w = p_top / sum(p_top)`, cast to
+    logits.dtype; one launch, no host sync.
+
+    Ties: the k experts are the k largest logits (the order of the probabilities, which softmax keeps), largest
+    first, and among equal logits the lower expert index first. `torch.topk` (stock, `moe_route_ref`) leaves the
+    order of ties unspecified, and on CPU does not take the lower index (16 equal logits, k=2 -> [10, 11]); the two
+    agree on the weights always, and on the ids wherever no two picked experts (or a picked and an unpicked one)
+    have equal logits. Experts whose float32 probability underflows to 0 (logits ~90 or more below the row's max) are
+    ordered by logit here, by torch's tie order there; their weight is 0 in both.
+
+    Args:
+        logits: [T, E] router logits, float32 / bfloat16 / float16, E <= 512, last dim contiguous (any row stride).
+        top_k: experts per token, 1 <= top_k <= min(E, 16).
+
+    Returns:
+        (weights [T, top_k] in logits.dtype, ids [T, top_k] int64), both contiguous; replaces stock
+        `Qwen3_5MoeTopKRouter.forward` after its linear (softmax, topk, sum, divide, cast).
+    """
+    _check_triton("moe_route")
+    _check_float("logits", logits)
+    if logits.dim() != 2 or not 1 <= logits.shape[1] <= _ROUTE_MAX_E:
+        raise ValueError(f"moe_route needs logits [T, E] with 1 <= E <= {_ROUTE_MAX_E}, got {tuple(logits.shape)}.")
+    if not 1 <= top_k <= min(logits.shape[1], _ROUTE_MAX_K):
+        raise ValueError(f"moe_route needs 1 <= top_k <= min(E, {_ROUTE_MAX_K}) = "
+                         f"{min(logits.shape[1], _ROUTE_MAX_K)}, got top_k={top_k}; use moe_route_ref for more.")
+    _check_last_dim_contiguous("logits", logits)
+    T, E = logits.shape
+    weights = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T == 0:
+        return weights, ids
+    BLOCK_E = triton.next_power_of_2(E)
+    BLOCK_T = _units_per_program(T, BLOCK_E, cap=16)
+    with _device_guard(logits):
+        pdl = pdl_enabled(logits.device)
+        _moe_route_kernel[(triton.cdiv(T, BLOCK_T),)](
+            logits, weights, ids, T, E, logits.stride(0),
+            TOP_K=top_k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, BLOCK_K=triton.next_power_of_2(top_k), PDL=pdl,
+            num_warps=_num_warps(BLOCK_T * BLOCK_E), **_pdl_launch(pdl),
+        )
+    return weights, ids
 
 
 def moe_route_ref(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,6 +145,209 @@ def moe_route_ref(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
     top, ids = torch.topk(probs, top_k, dim=-1)
     top = top / top.sum(dim=-1, keepdim=True)
     return top.to(logits.dtype), ids
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Routed experts at decode (T <= _DECODE_MAX_T): a gate|up GEMV over the picked experts' rows with the SwiGLU in its
+# epilogue, then a down GEMV that also weighs and sums each token's k experts and adds the gated shared expert
+#
+# Why kernels of our own: a decode step of the MoE block is a weight read of the k picked experts (8 of 256: 50 MB
+# at the 35B-A3B shape in bf16, against 1.6 GB for all), and stock's paths either loop over the experts hit with
+# ~10 launches each and a host sync (`eager`), read the [T*k, 2I, H] gathered weights back after copying them
+# (`batched_mm`), or run a grouped GEMM built for many rows per expert (`grouped_mm`). Here each program reads the
+# rows of its expert straight from the stacked [E, 2I, H] / [E, H, I] weights by the id the router wrote, so the
+# step reads the picked weights once, launches twice, never syncs and allocates only h and y (CUDA-graph safe).
+# The down kernel's program owns an H tile of one token and sums that token's k experts in a fixed order: no
+# atomics, so the result is deterministic.
+# ---------------------------------------------------------------------------------------------------------------------
+
+_DECODE_MAX_T = 16  # a decode step of batch 1-16; more tokens take the grouped GEMMs
+# (BLOCK_N, BLOCK_K, warps) of the two GEMVs. Not tuned on an H200 yet; the reasoning: at T=1 the 35B-A3B shape
+# (k=8, I=512, H=2048) gives the gate|up GEMV k * I / 16 = 256 programs and the down GEMV H / 8 = 256, about two
+# per SM of the H200's 132, each reading 16 gate + 16 up (or 8 x k) weight rows; the [BLOCK_N, BLOCK_K] float32
+# accumulators (two for gate|up) take 64 and 32 registers a thread, within `fused_ops_gemv._GEMV_ACC_REGS`.
+_DECODE_GATE_UP = (16, 256, 4)
+_DECODE_DOWN = (8, 512, 4)
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _moe_gate_up_gemv_kernel(
+        x_ptr, w_ptr, ids_ptr, h_ptr, E, I, H, stride_xt, stride_it,
+        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    ):
+        _pdl_wait(PDL)  # ids come from the router kernel just before
+        i_p = tl.program_id(0)  # one (token, slot) pair: t * k + j
+        i_t = i_p // TOP_K
+        i_e = tl.load(ids_ptr + i_t * stride_it + i_p % TOP_K)
+        i_e = tl.where((i_e >= 0) & (i_e < E), i_e, 0).to(tl.int64)  # an id outside [0, E) is dropped by the down
+        o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of h
+        m_n = o_n < I
+        p_g = w_ptr + i_e * (2 * I * H) + o_n.to(tl.int64)[:, None] * H  # [BN, 1] gate rows; up rows I*H below
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < H
+            m_w = m_n[:, None] & m_k[None, :]
+            b_x = tl.load(x_ptr + i_t.to(tl.int64) * stride_xt + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+            acc_g += tl.load(p_g + o_k[None, :], mask=m_w, other=0.0).to(tl.float32) * b_x[None, :]
+            acc_u += tl.load(p_g + I * H + o_k[None, :], mask=m_w, other=0.0).to(tl.float32) * b_x[None, :]
+        dt = h_ptr.dtype.element_ty
+        b_g = _round_to(tl.sum(acc_g, axis=1), dt)  # [BN] stock: the gate|up linear rounded,
+        b_s = _round_to(b_g / (1.0 + tl.exp(-b_g)), dt)  # silu(gate) rounded,
+        b_h = _round_to(b_s * _round_to(tl.sum(acc_u, axis=1), dt), dt)  # times up, rounded
+        tl.store(h_ptr + i_p.to(tl.int64) * I + o_n, b_h.to(dt), mask=m_n)
+
+    @triton.jit
+    def _moe_down_gemv_kernel(
+        h_ptr, w_ptr, wt_ptr, ids_ptr, s_ptr, sg_ptr, y_ptr, E, I, H,
+        stride_wt, stride_it, stride_st, stride_sgt, stride_yt,
+        TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        _pdl_wait(PDL)  # h comes from the gate|up kernel just before
+        i_t = tl.program_id(0).to(tl.int64)  # one token
+        o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] outputs (hidden features)
+        m_n = o_n < H
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):  # the token's experts in slot order: a fixed summation order
+            i_e = tl.load(ids_ptr + i_t * stride_it + j)
+            valid = (i_e >= 0) & (i_e < E)
+            p_w = w_ptr + tl.where(valid, i_e, 0).to(tl.int64) * (H * I) + o_n.to(tl.int64)[:, None] * I  # [BN, 1]
+            p_h = h_ptr + (i_t * TOP_K + j) * I
+            n_k = tl.where(valid, I, 0)  # an id outside [0, E) reads nothing and adds nothing
+            acc_d = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                o_k = k0 + tl.arange(0, BLOCK_K)
+                m_k = o_k < n_k
+                b_h = tl.load(p_h + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+                acc_d += tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32) \
+                    * b_h[None, :]
+            b_d = _round_to(tl.sum(acc_d, axis=1), y_ptr.dtype.element_ty)  # the expert's down linear, rounded
+            b_wt = tl.load(wt_ptr + i_t * stride_wt + j).to(tl.float32)
+            acc += tl.where(valid, b_wt, 0.0) * b_d  # weighted and summed in float32
+        if SHARED:
+            b_sg = tl.load(sg_ptr + i_t * stride_sgt).to(tl.float32)
+            b_s = tl.load(s_ptr + i_t * stride_st + o_n, mask=m_n, other=0.0).to(tl.float32)
+            acc += b_s / (1.0 + tl.exp(-b_sg))
+        dt = y_ptr.dtype.element_ty
+        tl.store(y_ptr + i_t * stride_yt + o_n, _round_to(acc, dt).to(dt), mask=m_n)
+
+
+def _moe_experts_decode(x, gate_up, down, weights, ids, shared, shared_gate) -> torch.Tensor:
+    """`moe_experts` for T <= `_DECODE_MAX_T`: the two GEMVs above (inputs validated by the caller)."""
+    T, H = x.shape
+    E, I = down.shape[0], down.shape[2]
+    k = ids.shape[1]
+    h = torch.empty(T, k, I, dtype=x.dtype, device=x.device)  # [T, k, I] each (token, slot)'s SwiGLU
+    y = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    gu_n, gu_k, gu_warps = _DECODE_GATE_UP
+    dn_n, dn_k, dn_warps = _DECODE_DOWN
+    s, sg = (shared, shared_gate) if shared is not None else (y, y)
+    with _device_guard(x):
+        pdl = pdl_enabled(x.device)
+        _moe_gate_up_gemv_kernel[(T * k, triton.cdiv(I, gu_n))](
+            x, gate_up, ids, h, E, I, H, x.stride(0), ids.stride(0),
+            TOP_K=k, BLOCK_N=gu_n, BLOCK_K=min(gu_k, triton.next_power_of_2(H)), PDL=pdl,
+            num_warps=gu_warps, **_pdl_launch(pdl),
+        )
+        _moe_down_gemv_kernel[(T, triton.cdiv(H, dn_n))](
+            h, down, weights, ids, s, sg, y, E, I, H,
+            weights.stride(0), ids.stride(0), s.stride(0), sg.stride(0), y.stride(0),
+            TOP_K=k, SHARED=shared is not None, BLOCK_N=dn_n, BLOCK_K=min(dn_k, triton.next_power_of_2(I)), PDL=pdl,
+            num_warps=dn_warps, **_pdl_launch(pdl),
+        )
+    return y
+
+
+def _check_experts(x, gate_up, down, weights, ids, shared, shared_gate) -> None:
+    """`moe_experts`'s input checks: shapes, dtypes, layouts, devices; nothing that reads a value (no host sync)."""
+    for name, t in (("x", x), ("gate_up", gate_up), ("down", down), ("weights", weights)):
+        _check_float(name, t)
+    if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError(f"moe_experts needs x [T, H], gate_up [E, 2*I, H] and down [E, H, I], got "
+                         f"{tuple(x.shape)}, {tuple(gate_up.shape)} and {tuple(down.shape)}.")
+    T, H = x.shape
+    E, I = down.shape[0], down.shape[2]
+    if gate_up.shape != (E, 2 * I, H) or down.shape != (E, H, I):
+        raise ValueError(f"moe_experts: with x [T, H={H}] and down [E={E}, H, I={I}], gate_up must be "
+                         f"[E, 2*I, H] = {(E, 2 * I, H)} and down {(E, H, I)}; got {tuple(gate_up.shape)} and "
+                         f"{tuple(down.shape)}.")
+    if weights.dim() != 2 or ids.shape != weights.shape or weights.shape[0] != T or weights.shape[1] < 1:
+        raise ValueError(f"moe_experts needs weights [T, k] and ids [T, k] with T = {T} and k >= 1, got "
+                         f"{tuple(weights.shape)} and {tuple(ids.shape)}.")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"moe_experts needs int64 or int32 ids (moe_route's), got {ids.dtype}.")
+    if (shared is None) != (shared_gate is None):
+        raise ValueError("moe_experts takes shared and shared_gate together (both or neither).")
+    tensors = {"gate_up": gate_up, "down": down, "weights": weights}
+    if shared is not None:
+        if shared.shape != (T, H) or shared_gate.shape != (T, 1):
+            raise ValueError(f"moe_experts needs shared [T, H] = {(T, H)} and shared_gate [T, 1] = {(T, 1)}, got "
+                             f"{tuple(shared.shape)} and {tuple(shared_gate.shape)}.")
+        tensors.update(shared=shared, shared_gate=shared_gate)
+    wrong = {name: t.dtype for name, t in tensors.items() if t.dtype != x.dtype}
+    if wrong:
+        raise ValueError(f"moe_experts needs every float input in x's dtype ({x.dtype}), got {wrong}; cast them.")
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        raise ValueError(f"moe_experts needs contiguous expert weights (stock's parameters are), got gate_up strides "
+                         f"{gate_up.stride()} and down strides {down.stride()}; pass .contiguous() ones.")
+    for name, t in (("x", x), ("weights", weights), ("ids", ids), ("shared", shared)):
+        if t is not None:
+            _check_last_dim_contiguous(name, t)
+    _check_same_device(x=x, ids=ids, **tensors)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The routed experts' SwiGLU MLPs weighted and summed per token, plus the gated shared expert:
+    `y[t] = sum_j weights[t, j] * down[e_j] @ (silu(g) * u) + sigmoid(shared_gate[t]) * shared[t]`, with
+    `g | u = gate_up[e_j] @ x[t]` and `e_j = ids[t, j]`; no host sync, no atomics (deterministic).
+
+    Up to `_DECODE_MAX_T` (16) tokens: two GEMV launches reading only the picked experts' rows (above). More: the
+    grouped GEMMs of `fused_ops_moe_gemm.moe_experts_prefill` (tokens sorted by expert). One decision point, here.
+    Rounding: each linear's output and the SwiGLU are rounded to x.dtype where stock rounds them; the weighted sum of
+    a token's k experts and the shared expert's gated add are done in float32 and rounded once (stock rounds each
+    product and each add: this is at least as accurate).
+
+    Args:
+        x: [T, H] tokens, float32 / bfloat16 / float16, last dim contiguous (any row stride).
+        gate_up: [E, 2*I, H] contiguous, each expert's gate rows then up rows (stock `experts.gate_up_proj`).
+        down: [E, H, I] contiguous (stock `experts.down_proj`).
+        weights: [T, k] routing weights in x.dtype (`moe_route`).
+        ids: [T, k] int64 / int32 experts of the weights; an id outside [0, E) (an expert-parallel sentinel)
+            contributes nothing. Not checked on the host: that would need a sync.
+        shared: optional [T, H], the shared expert's output (stock `shared_expert(x)`), last dim contiguous.
+        shared_gate: [T, 1] with `shared`, its gate logit (stock `shared_expert_gate(x)`).
+
+    Returns:
+        y [T, H] contiguous in x.dtype; replaces stock `Qwen3_5MoeExperts.forward` (every experts implementation)
+        and the shared-expert sum of `Qwen3_5MoeSparseMoeBlock.forward`.
+    """
+    _check_triton("moe_experts")
+    _check_experts(x, gate_up, down, weights, ids, shared, shared_gate)
+    if x.shape[0] == 0:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.shape[0] <= _DECODE_MAX_T:
+        return _moe_experts_decode(x, gate_up, down, weights, ids, shared, shared_gate)
+    return moe_experts_prefill(x, gate_up, down, weights, ids, shared, shared_gate)
+
+
+def _check_routing(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_experts: int) -> None:
+    if x.dim() != 2 or weights.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"moe_experts needs x [T, H], weights [T, k] and ids [T, k], got {tuple(x.shape)}, "
+                         f"{tuple(weights.shape)} and {tuple(ids.shape)}.")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n_experts):
+        raise ValueError(f"moe_experts: expert ids must lie in [0, {n_experts}), got {int(ids.min())} to "
+                         f"{int(ids.max())}.")
 
 
 def moe_experts_ref(

@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """Fused norms and the MLP activation of Qwen3.5: Triton kernels, each beside its plain-torch reference.
 
 - `rms_norm`: zero-centred RMSNorm, optionally fused with the residual add before it; replaces stock

@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """The path a fused model runs, resolved once: :class:`FusedPlan`.
 
 One object per text backbone, shared by its fused modules, its runner and the public model. It is resolved when the

@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """:class:`FusedRunner`: what runs the fused model beyond its layers, one per text backbone.
 
 It owns the model's reusable GPU state and runs the calls that use it:

@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """Fused Qwen3.5 model classes (remote code): the public entry points.
 
 Each class subclasses its stock transformers Qwen3.5 class and only adds the fused inference path:
@@ -23,16 +24,25 @@ cache and run the fused loop (``fused_generate``), and otherwise defer to stock.
 
 import torch
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationMixin
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSequenceClassification,
+    GenerationMixin,
+)
 from transformers import initialization as stock_init
+from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.modeling_outputs import BaseModelOutputWithPast, MoeModelOutputWithPast
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5Attention,
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5ForSequenceClassification,
     Qwen3_5GatedDeltaNet,
     Qwen3_5Model,
     Qwen3_5RMSNorm,
+    Qwen3_5TextForSequenceClassification,
     Qwen3_5TextModel,
     Qwen3_5TextRotaryEmbedding,
 )
@@ -549,6 +559,36 @@ class Qwen3_5FusedForConditionalGeneration(
     _backbone = Qwen3_5FusedModel
 
 
+class Qwen3_5FusedTextForSequenceClassification(Qwen3_5TextForSequenceClassification):
+    """Stock's sequence-classification head over the fused text backbone: the repo's
+    ``AutoModelForSequenceClassification`` entry, so a classifier fine-tuned from this repo loads and saves like
+    stock's."""
+
+    config_class = Qwen3_5FusedTextConfig
+    _auto_class = "AutoModelForSequenceClassification"
+    _backbone = Qwen3_5FusedTextModel
+
+    def __init__(self, config):
+        # Stock's __init__ with the backbone built directly: stock's `AutoModel.from_config(config)` would ask for
+        # trust_remote_code again for a config loaded as remote code (its `auto_map` names our AutoModel).
+        check_model_type(config)
+        super(GenericForSequenceClassification, self).__init__(config)
+        self.num_labels = config.num_labels
+        setattr(self, self.base_model_prefix, self._backbone(config))
+        self.score = nn.Linear(config.get_text_config().hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+
+class Qwen3_5FusedForSequenceClassification(Qwen3_5ForSequenceClassification):
+    """As :class:`Qwen3_5FusedTextForSequenceClassification`, for composite repos (the backbone is
+    :class:`Qwen3_5FusedModel`)."""
+
+    config_class = Qwen3_5FusedConfig
+    _auto_class = "AutoModelForSequenceClassification"
+    _backbone = Qwen3_5FusedModel
+    __init__ = Qwen3_5FusedTextForSequenceClassification.__init__
+
+
 # -- the MoE models (Qwen3.5-35B-A3B, ...) -----------------------------------------------------------------------------
 
 
@@ -632,6 +672,8 @@ __all__ = [
     "Qwen3_5FusedForCausalLMLoader",
     "Qwen3_5FusedModel",
     "Qwen3_5FusedForConditionalGeneration",
+    "Qwen3_5FusedTextForSequenceClassification",
+    "Qwen3_5FusedForSequenceClassification",
     "Qwen3_5MoeFusedTextModel",
     "Qwen3_5MoeFusedForCausalLM",
     "Qwen3_5MoeFusedForCausalLMLoader",
@@ -659,3 +701,6 @@ for _text_config, _text_model, _causal_lm, _composite_config, _composite_model, 
     AutoModel.register(_composite_config, _composite_model, exist_ok=True)
     AutoModelForCausalLM.register(_text_config, _causal_lm, exist_ok=True)
     AutoModelForImageTextToText.register(_composite_config, _conditional, exist_ok=True)
+AutoModelForSequenceClassification.register(Qwen3_5FusedTextConfig, Qwen3_5FusedTextForSequenceClassification,
+                                            exist_ok=True)
+AutoModelForSequenceClassification.register(Qwen3_5FusedConfig, Qwen3_5FusedForSequenceClassification, exist_ok=True)

@@ -93,6 +93,34 @@ def test_save_pretrained_reloads_fused_with_remote_code_and_stock_without(tmp_pa
     assert type(stock).__name__ == arch and type(stock).__module__.startswith("transformers.models.qwen3_5")
 
 
+@pytest.mark.parametrize("layout", ["text", "composite"])
+def test_sequence_classification_head_saves_and_reloads_like_stock(tmp_path, layout):
+    """`AutoModelForSequenceClassification` over a fused config: stock's head on the fused backbone; saved, it
+    reloads as ours with remote code and as stock's class without (stock `architectures`), with the same logits."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    if layout == "composite":
+        config = configuration.Qwen3_5FusedConfig(**composite_kwargs(), num_labels=3)
+        ours, stock_name = modeling.Qwen3_5FusedForSequenceClassification, "Qwen3_5ForSequenceClassification"
+    else:
+        config = configuration.Qwen3_5FusedTextConfig(**composite_kwargs()["text_config"], num_labels=3)
+        ours, stock_name = modeling.Qwen3_5FusedTextForSequenceClassification, "Qwen3_5TextForSequenceClassification"
+    model = AutoModelForSequenceClassification.from_config(config).eval()
+    assert type(model) is ours
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [stock_name]
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    again = AutoModelForSequenceClassification.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    stock = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    assert type(again).__name__ == ours.__name__ and type(stock).__name__ == stock_name
+    with torch.no_grad():
+        want = run_stock(stock, input_ids=ids).logits
+        assert want.shape == (1, 3)
+        assert rel_err(again(input_ids=ids).logits, want) <= 1e-5
+        assert rel_err(model(input_ids=ids).logits, want) <= 1e-5
+
+
 def test_resave_of_the_repo_loaded_by_auto_class_stays_fused(tmp_path):
     """The issue's case: `AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)` of a composite repo
     (the loader builds the text causal LM), saved and reloaded, is fused again, and stock without remote code."""

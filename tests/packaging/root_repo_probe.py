@@ -1,6 +1,9 @@
 """Subprocess probe for the shipped model: load REPO_OR_PATH with AUTO_CLASS, with and without trust_remote_code,
 and print the classes and the held-out NLL of both (the recorded evaluation procedure). Usage:
-root_repo_probe.py REPO_OR_PATH AUTO_CLASS"""
+root_repo_probe.py REPO_OR_PATH AUTO_CLASS [WINDOWS]
+
+WINDOWS (optional): score only the first WINDOWS held-out windows (a quicker check that both load the same model;
+the recorded NLL is over all of them)."""
 
 import importlib.util
 import json
@@ -16,9 +19,13 @@ tiny = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tiny)
 
 target, auto_name = sys.argv[1], sys.argv[2]
+windows = int(sys.argv[3]) if len(sys.argv) > 3 else None
 auto = getattr(transformers, auto_name)
 tokenizer = transformers.AutoTokenizer.from_pretrained(target)
 text = (REPO / "data" / "heldout.txt").read_text()
+if windows is not None:  # the windows are cut from the token stream: keep the text of the first `windows`
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: windows * 256]
+    text = tokenizer.decode(ids)
 torch.set_num_threads(1)
 result = {}
 for trust in (True, False):

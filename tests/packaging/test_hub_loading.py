@@ -150,9 +150,10 @@ ROOT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tok
 ROOT_PROBE = Path(__file__).with_name("root_repo_probe.py")
 
 
-def _root_probe(tmp_path, target, auto_name):
+def _root_probe(tmp_path, target, auto_name, windows=None):
     env = offline_env(tmp_path / "hub", tmp_path / "modules")
-    proc = subprocess.run([sys.executable, str(ROOT_PROBE), target, auto_name], env=env, capture_output=True,
+    extra = [] if windows is None else [str(windows)]
+    proc = subprocess.run([sys.executable, str(ROOT_PROBE), target, auto_name, *extra], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
@@ -160,9 +161,10 @@ def _root_probe(tmp_path, target, auto_name):
 
 @pytest.mark.parametrize("via", ["repo-id", "local-folder"])
 def test_shipped_model_loads_and_reproduces_recorded_nll(tmp_path, via):
-    """The repo root is a Hub model repo: by id through the offline cache, and from a plain local folder (as after
-    `hf download --local-dir`), with and without trust_remote_code, the held-out NLL is the one recorded at
-    training time."""
+    """The repo root is a Hub model repo: by id through the offline cache, with and without trust_remote_code, the
+    held-out NLL is the one recorded at training time; from a plain local folder (as after `hf download
+    --local-dir`) both load the same model (the NLL of the first 8 windows agrees; the full NLL is the repo-id
+    case's, which loads the same files)."""
     recorded = json.loads((REPO / "training_report.json").read_text())
     if via == "repo-id":
         make_hub_snapshot(REPO, tmp_path / "hub", "test-org/qwen35-fused-tiny", files=ROOT_FILES)
@@ -172,11 +174,15 @@ def test_shipped_model_loads_and_reproduces_recorded_nll(tmp_path, via):
         Path(target).mkdir()
         for name in ROOT_FILES:
             shutil.copy2(REPO / name, Path(target) / name)
-    result = _root_probe(tmp_path, target, "AutoModelForCausalLM")
+    result = _root_probe(tmp_path, target, "AutoModelForCausalLM", windows=None if via == "repo-id" else 8)
     fused, stock = result["True"], result["False"]
     assert fused["class"] == "Qwen3_5FusedForCausalLM" and stock["class"] == "Qwen3_5ForCausalLM"
     for r in (fused, stock):
         assert not r["missing"] and not r["unexpected"], r
+    if via == "local-folder":
+        assert fused["nll"]["windows"] == stock["nll"]["windows"] >= 7
+        assert abs(fused["nll"]["nll_per_token"] - stock["nll"]["nll_per_token"]) <= 1e-5 * stock["nll"]["nll_per_token"]
+        return
     want = recorded["heldout"]["nll_per_token"]
     assert abs(fused["nll"]["nll_per_token"] - want) <= 1e-4 * want
     assert abs(stock["nll"]["nll_per_token"] - want) <= 1e-4 * want
@@ -191,3 +197,14 @@ def test_shipped_model_loads_as_image_text_to_text_from_local_folder(tmp_path):
     assert result["True"]["class"] == "Qwen3_5FusedForConditionalGeneration"
     assert result["False"]["class"] == "Qwen3_5ForConditionalGeneration"
     assert not result["True"]["missing"] and not result["True"]["unexpected"]
+
+
+def test_every_code_file_starts_with_the_copyright_line():
+    """Each file the Hub copies opens with the repo's copyright and license line (transformers' own
+    `test_can_init_all_missing_weights` reads the year from the configuration file's first `# Copyright` line and
+    skips models without one)."""
+    import re
+
+    for name in CODE_FILES:
+        first = (REPO / name).read_text().splitlines()[0]
+        assert re.fullmatch(r"# Copyright 20\d\d .*Apache License, Version 2\.0\.", first), f"{name}: {first!r}"

@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """pytest plugin (`-p fused_substitute`): runs transformers' own Qwen3.5 tests with the fused classes in place of the
 stock ones.
 
@@ -42,6 +43,8 @@ AUTO_MODELS = {
     "AutoModel": ("Qwen3_5FusedModel", "Qwen3_5FusedTextModel"),
     "AutoModelForCausalLM": ("Qwen3_5FusedForCausalLMLoader", "Qwen3_5FusedForCausalLM"),
     "AutoModelForImageTextToText": ("Qwen3_5FusedForConditionalGeneration", None),
+    "AutoModelForSequenceClassification": ("Qwen3_5FusedForSequenceClassification",
+                                           "Qwen3_5FusedTextForSequenceClassification"),
 }
 
 

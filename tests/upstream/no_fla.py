@@ -1,3 +1,4 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """pytest plugin (`-p no_fla`) for both upstream runs on a machine without a GPU: makes flash-linear-attention
 unimportable.
 

@@ -44,11 +44,6 @@ BY_DESIGN: dict[str, str] = {
     "skips",
     "*::test_can_load_from_already_mapped_keys": "transformers applies its checkpoint key conversions to its own "
     "classes only, none to remote code (the loaders here do their own mapping): the test skips",
-    "*::test_can_init_all_missing_weights": "the test runs only for models whose source file starts with a copyright "
-    "year of 2023 or later; the repo's modeling file carries no copyright line: the test skips",
-    "*::test_load_with_mismatched_shapes": "a stock sequence-classification head saved with the fused config reloads "
-    "through AutoConfig as the fused config, which transformers' sequence-classification mapping does not list (the "
-    "repo's auto_map serves AutoModel, AutoModelForCausalLM and AutoModelForImageTextToText)",
 }
 
 
