@@ -433,3 +433,47 @@ def test_a_transformers_without_the_conversion_api_is_announced(monkeypatch, cap
     assert caplog.text.count("only checkpoints in transformers' 3D expert layout load") == 1  # said once
     assert model.describe()["layers"]["moe"]["checkpoint_layouts"] == f"3D only: {reason}"
     plan_mod._announced.discard("moe/layouts")
+
+
+# -- on the GPU (`@pytest.mark.cuda`; written for the device, not run in the CPU sessions that wrote them) -------------
+
+
+def _cuda_moe_pair(shape):
+    """`stock_and_fused_moe_lm` on the GPU in fp32, stock running its IEEE torch DeltaNet code (`ieee_stock`)."""
+    from helpers import ieee_stock
+
+    stock, fused = stock_and_fused_moe_lm(shape)
+    return ieee_stock(stock.to("cuda")), fused.to("cuda")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("batch,seq_len,padding", [(1, 1, None), (3, 9, "left"), (2, 129, "right")],
+                         ids=["b1-T1", "b3-T9-left", "b2-T129-right"])
+@pytest.mark.cuda
+def test_forward_matches_stock_fp32_cuda(shape, batch, seq_len, padding):
+    stock, fused = _cuda_moe_pair(shape)
+    assert all(v["path"] == "fused" for v in fused.describe()["layers"].values()), fused.describe()["layers"]
+    ids, mask = padded_batch(batch, seq_len, padding)
+    ids, mask = ids.cuda(), mask.cuda()
+    with torch.inference_mode():
+        want = stock(input_ids=ids, attention_mask=mask).logits
+        for _ in range(3):  # eager at the bucket, captured, replayed
+            got = fused(input_ids=ids, attention_mask=mask).logits
+            valid = mask.bool()
+            assert rel_err(got[valid], want[valid]) <= BOUND
+
+
+@pytest.mark.parametrize("shape", ["E8-top2", "E64-top8"])
+@pytest.mark.cuda
+def test_greedy_generate_matches_stock_fp32_cuda(shape):
+    stock, fused = _cuda_moe_pair(shape)
+    ids, mask = padded_batch(2, 21, "left")
+    kw = dict(attention_mask=mask.cuda(), max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=None,
+              return_dict_in_generate=True)
+    with torch.inference_mode():
+        want = stock.generate(ids.cuda(), **kw)
+        for _ in range(2):  # the second call replays the captured prompt and step
+            got = fused.generate(ids.cuda(), **kw)
+            assert isinstance(cache_of(got), decode.FusedDecodeCache)
+            assert torch.equal(got.sequences, want.sequences)
+    assert fused.describe()["decode"]["buckets"][0]["graph_captured"]
