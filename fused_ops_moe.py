@@ -341,13 +341,10 @@ def moe_experts(
     return moe_experts_prefill(x, gate_up, down, weights, ids, shared, shared_gate)
 
 
-def _check_routing(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_experts: int) -> None:
+def _check_routing(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
     if x.dim() != 2 or weights.dim() != 2 or ids.shape != weights.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"moe_experts needs x [T, H], weights [T, k] and ids [T, k], got {tuple(x.shape)}, "
                          f"{tuple(weights.shape)} and {tuple(ids.shape)}.")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n_experts):
-        raise ValueError(f"moe_experts: expert ids must lie in [0, {n_experts}), got {int(ids.min())} to "
-                         f"{int(ids.max())}.")
 
 
 def moe_experts_ref(
@@ -368,7 +365,7 @@ def moe_experts_ref(
         gate_up: [E, 2*I, H] each expert's gate and up projections (stock `experts.gate_up_proj`).
         down: [E, H, I] each expert's down projection (stock `experts.down_proj`).
         weights: [T, k] routing weights (`moe_route`), in x.dtype.
-        ids: [T, k] expert of each weight, integer.
+        ids: [T, k] expert of each weight, integer; an id outside [0, E) adds nothing (as in `moe_experts`).
         shared: optional [T, H], the shared expert's output (stock `shared_expert(x)`).
         shared_gate: [T, 1] with `shared`, the shared expert's gate logit (stock `shared_expert_gate(x)`).
 
@@ -376,11 +373,13 @@ def moe_experts_ref(
         y [T, H] in x.dtype: `sum_j weights[t, j] * down[e_j] @ (silu(g) * u)` with `g, u` the halves of
         `gate_up[e_j] @ x[t]`, plus `sigmoid(shared_gate) * shared` when given.
     """
-    _check_routing(x, weights, ids, gate_up.shape[0])
+    _check_routing(x, weights, ids)
     if (shared is None) != (shared_gate is None):
         raise ValueError("moe_experts takes shared and shared_gate together (both or neither).")
     y = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():  # sorted ascending, as stock's `expert_hit`
+        if not 0 <= e < gate_up.shape[0]:  # a sentinel id adds nothing (stock skips id E; the kernels any outside)
+            continue
         token, slot = torch.where(ids == e)
         gate, up = torch.nn.functional.linear(x[token], gate_up[e]).chunk(2, dim=-1)
         h = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down[e])

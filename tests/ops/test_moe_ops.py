@@ -258,9 +258,11 @@ def test_moe_experts_ids_outside_the_experts_add_nothing(T):
     ids[0, 1], ids[T - 1, 0] = -1, E
     y = fused_ops.moe_experts(x, block.experts.gate_up_proj, block.experts.down_proj, w, ids)
     keep = (ids >= 0) & (ids < E)
-    want = fused_ops.moe_experts_ref(x, block.experts.gate_up_proj.detach(), block.experts.down_proj.detach(),
-                                     w * keep, ids.clamp(0, E - 1))
+    gate_up, down = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
+    want = fused_ops.moe_experts_ref(x, gate_up, down, w * keep, ids.clamp(0, E - 1))
     assert_close("y vs ref with the sentinels' weights zeroed", y, want, MOE)
+    # the reference skips the sentinels as the kernels do (stock's loop skips id E the same way)
+    assert_close("ref with sentinels", fused_ops.moe_experts_ref(x, gate_up, down, w, ids), want, MOE)
 
 
 @needs_interpreter
