@@ -422,7 +422,8 @@ def _record_path(device: torch.device) -> Path | None:
     props = torch.cuda.get_device_properties(device)
     env = (_RECORD_VERSION, props.name, props.major, props.minor, torch.__version__, triton.__version__,
            _GEMV_CONFIGS, _GEMV_ACC_REGS, pdl_enabled(device))
-    return Path(cache_dir) / "qwen3_5_fused" / f"small_linear_{hashlib.sha256(repr(env).encode()).hexdigest()[:16]}.json"
+    tag = hashlib.sha256(repr(env).encode()).hexdigest()[:16]
+    return Path(cache_dir) / "qwen3_5_fused" / f"small_linear_{tag}.json"
 
 
 def _record_key(key: tuple) -> str:
