@@ -1009,14 +1009,15 @@ def _as_source(value, allow_patterns=None) -> Source | None:
 
 
 def _requirement_specs() -> dict[str, str]:
-    """``{name: 'name>=x,<y'}`` from this repo's requirements.txt, so the card states the tested ranges."""
+    """``{name: 'name>=x,<y'}`` from this repo's requirements.txt and requirements-gpu.txt, so the card states the
+    tested ranges."""
     specs = {}
-    path = REPO / "requirements.txt"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            line = line.split("#", 1)[0].split(";", 1)[0].strip()
-            if line:
-                specs[re.split(r"[<>=!~ ]", line, 1)[0].lower().replace("_", "-")] = line
+    for path in (REPO / "requirements.txt", REPO / "requirements-gpu.txt"):
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                line = line.split("#", 1)[0].split(";", 1)[0].strip()
+                if line and not line.startswith("-"):
+                    specs[re.split(r"[<>=!~ ]", line, 1)[0].lower().replace("_", "-")] = line
     return specs
 
 
@@ -1157,7 +1158,9 @@ def render_model_card(*, repo_id: str, layout: Layout, base: Source, adapter: So
         "Required: " + ", ".join(f"`{spec(n)}`" for n in ("torch", "transformers", "safetensors", "tokenizers",
                                                            "huggingface-hub")) + ".", "",
         "Optional: " + f"`{spec('triton')}` and `{spec('flash-linear-attention')}` (the fused GPU path; without them "
-        f"the stock code runs), `{spec('accelerate')}` (for `device_map`).", "",
+        f"the stock code runs), `{spec('accelerate')}` (for `device_map`). Install flash-linear-attention on GPU "
+        "machines only: with it installed, stock transformers (this repo loaded without `trust_remote_code`) sends "
+        "CPU tensors into its Triton kernels and fails.", "",
         "## How this checkpoint was made", "",
         f"- base: `{_card_source(base, base_id)}`",
     ]
