@@ -6,10 +6,16 @@
     python scripts/benchmark_latency.py --model . --dtype float32
     # CPU smoke run (what CI runs): tiny config, few repeats
     python scripts/benchmark_latency.py --shapes tiny --device cpu --lengths 8,16 --requests 4 --new-tokens 4
+    # the stalls and long prompts (issue targets: new shapes, cold start, 32k / 128k context)
+    python scripts/benchmark_latency.py --shapes 4B --lengths '' --requests 0 --decode-batches 1,8,32 \
+        --new-shapes 2x32,4x1152,8x32 --cold-start stock,fused --long-context 32768,131072
 
 Measures, for each model: forward latency without cache at fixed lengths (median, p90; CUDA events on GPU), a
 request set with a realistic spread of lengths (median, mean, p90, p95, and requests over 2,048 tokens apart),
-decode ms/token (median of --decode-repeats) and tokens/s through plain `generate()` at batch 1 and 8, and peak memory of a forward. On a GPU it
+decode ms/token (median of --decode-repeats) and tokens/s through plain `generate()` at batch 1 and 8, and peak memory
+of a forward. Optional runs: `--new-shapes` (the first call at a new batch or prompt length in a warm process),
+`--cold-start` (the first `generate` in fresh processes with an empty, then a warm Triton cache), `--long-context`
+(prefill time, its peak memory and decode ms/token at long contexts). On a GPU it
 also measures, in the same run, the two ceilings (device copy bandwidth, bf16 GEMM rate) and reports each time
 against its floor: the weight-read floor for decode (weight bytes / copy bandwidth) and the matmul floor for
 forwards (2 x parameters x tokens / GEMM rate). Writes `results.json`, `results.md` and `latency.png` to --out.
@@ -396,6 +402,132 @@ def new_shape_calls(models: dict, shapes, new_tokens: int, device, vocab, profil
     return out
 
 
+def context_bytes(config, context: int, dtype) -> int:
+    """Bytes a decode step reads besides the weights at `context` tokens, batch 1: the full-attention layers' K and V
+    (in `dtype`) and each Gated DeltaNet layer's recurrent state (fp32) and conv window (in `dtype`)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    kinds = list(config.layer_types)
+    kv = kinds.count("full_attention") * 2 * context * config.num_key_value_heads * config.head_dim * elem
+    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
+        config.linear_num_value_heads * config.linear_value_head_dim
+    conv = conv_dim * config.linear_conv_kernel_dim * elem
+    return kv + kinds.count("linear_attention") * (state + conv)
+
+
+def attention_flops(config, T: int) -> float:
+    """FLOPs of the causal full-attention products (QK^T and PV, half the T x T square each) of a T-token prompt. The
+    Gated DeltaNet rule's FLOPs grow linearly with T and are left out (at 4B about 3 MFLOP a token a layer, against
+    8 GFLOP a token for the projections)."""
+    kinds = list(config.layer_types)
+    return kinds.count("full_attention") * 2.0 * T * T * config.num_attention_heads * config.head_dim
+
+
+def long_context(models: dict, lengths, new_tokens: int, device, vocab, ceil: dict, counts: dict, dtype) -> dict:
+    """Long prompts, batch 1, per variant (stock, fused) and prompt length L:
+
+    - `prefill_ms`: a `generate` of one new token (the prompt's forward, the LM head, generate's set-up), after one
+      untimed call at L; `prefill_peak_bytes`: what that call allocated on top of the resident models (GPU);
+    - `decode_ms_per_token` at context L: (time of `new_tokens` tokens - time of 1) / (`new_tokens` - 1);
+    - floors (GPU): prefill = (2 x body parameters x L + the causal attention FLOPs) / measured GEMM rate; decode =
+      (weights + K/V at L + DeltaNet states) bytes / measured copy bandwidth.
+
+    A variant that runs out of GPU memory at L is recorded as `{"oom": message}` and the run goes on."""
+    config = models["stock"].config
+    out = {}
+    for L in lengths:
+        ids = torch.randint(3, vocab, (1, L), device=device)
+        row = {}
+        if ceil:
+            row["floor"] = {
+                "prefill_ms": (2 * counts["body"] * L + 2 * counts["lm_head"] + attention_flops(config, L))
+                / ceil["bf16_flops_per_s"] * 1e3,
+                "decode_ms": (counts["weight_bytes"] + context_bytes(config, L, dtype)) / ceil["copy_bytes_per_s"] * 1e3,
+                "context_bytes": context_bytes(config, L, dtype)}
+        for name, model in models.items():
+            def run(n):
+                with torch.inference_mode(), stock_cpu_guard(device):
+                    model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+
+            try:
+                run(1)  # untimed: this length's first call (the decode cache bucket, eager prompt past the buckets)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                    base = torch.cuda.memory_allocated(device)
+                t0 = time.perf_counter()
+                run(1)
+                t1 = time.perf_counter()
+                peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+                run(new_tokens)
+                t2 = time.perf_counter()
+            except torch.cuda.OutOfMemoryError as e:
+                row[name] = {"oom": str(e).splitlines()[0][:200]}
+                log(f"long context L={L} {name}: out of memory")
+                torch.cuda.empty_cache()
+                continue
+            per_token = ((t2 - t1) - (t1 - t0)) / (new_tokens - 1) * 1e3
+            row[name] = {"prefill_ms": (t1 - t0) * 1e3, "decode_ms_per_token": per_token, "prefill_peak_bytes": peak}
+            log(f"long context L={L} {name}: prefill {(t1 - t0) * 1e3:.1f} ms, decode {per_token:.3f} ms/token"
+                + (f", prefill peak +{peak / 2**30:.2f} GiB" if peak is not None else ""))
+        out[str(L)] = row
+    return out
+
+
+def cold_start(target: dict, variants, prompt_len: int, new_tokens: int) -> dict:
+    """The first `generate` on a fresh machine: each variant in fresh subprocesses (`--cold-child`), first with an
+    empty Triton cache directory (TRITON_CACHE_DIR; it also holds the fused GEMV choice record), then again on the
+    cache the first process filled ("warm": a later process on the same machine). Each child builds the model (timed
+    apart) and times its first and second `generate` of `new_tokens` tokens at batch 1. fla's autotuning keeps no
+    on-disk record, so a warm process autotunes again."""
+    import os
+    import subprocess
+    import tempfile
+
+    out = {}
+    for variant in variants:
+        with tempfile.TemporaryDirectory(prefix="qwen35-cold-") as tmp:
+            env = dict(os.environ, TRITON_CACHE_DIR=str(Path(tmp) / "triton"))
+            row = {}
+            for phase in ("cold", "warm"):
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--cold-child", variant,
+                       "--prompt-len", str(prompt_len), "--new-tokens", str(new_tokens), *target["argv"]]
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+                if proc.returncode or not lines:
+                    raise RuntimeError(f"cold-start child {variant} ({phase}) failed:\n{proc.stderr[-3000:]}")
+                row[phase] = json.loads(lines[-1][len("RESULT "):])
+                log(f"cold start {target['name']} {variant} ({phase} Triton cache): build {row[phase]['build_s']:.1f} s, "
+                    f"first generate {row[phase]['first_s']:.2f} s, second {row[phase]['repeat_s']:.2f} s")
+            out[variant] = row
+    return out
+
+
+def cold_child(args) -> None:
+    """One cold-start measurement (see `cold_start`), in this fresh process; prints `RESULT {json}`."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    stock, fused = build_pair(None if args.model else args.shapes, args.model, device, dtype)
+    model = fused if args.cold_child == "fused" else stock
+    stock = fused = None  # only the measured variant stays resident
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    build_s = time.perf_counter() - t0
+    ids = torch.randint(3, model.config.vocab_size, (1, args.prompt_len), device=device)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        with torch.inference_mode(), stock_cpu_guard(device):
+            model.generate(input_ids=ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                           do_sample=False, pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    print("RESULT " + json.dumps({"build_s": build_s, "first_s": times[0], "repeat_s": times[1]}), flush=True)
+
+
 def profile_forward(models: dict, T: int, device, vocab, rows: int = 12) -> dict:
     """One forward at T tokens under the torch profiler: kernel count, summed GPU time and the top kernels, and on the
     host side the ops with the most self CPU time (where host-bound wall time goes) and any device syncs."""
@@ -572,7 +704,53 @@ def to_markdown(results: dict) -> str:
             e = m.get("fused-eager", {}).get("peak_bytes")
             lines.append(f"| {name} | {s / 2**30:.3f} | {'-' if e is None else f'{e / 2**30:.3f}'} | {f / 2**30:.3f} | "
                          f"{f / s:.3f} |")
+    lines += _stall_markdown(results)
     return "\n".join(lines) + "\n"
+
+
+def _stall_markdown(results: dict) -> list[str]:
+    """The new-shape, cold-start and long-context tables (each only when its run was asked for)."""
+    lines = []
+    rows = [(n, shape, d) for n, r in results["models"].items() for shape, d in r.get("new_shapes", {}).items()]
+    if rows:
+        lines += ["", "First `generate` (32 new tokens) at a new batch x prompt length in a warm process, seconds:", "",
+                  "| model | batch x prompt | stock first / repeat | fused first / repeat | fused stall (first - repeat) |",
+                  "|---|---|---|---|---|"]
+        for name, shape, d in rows:
+            st, f = d["stock"], d["fused"]
+            lines.append(f"| {name} | {shape} | {st['first_s']:.2f} / {st['repeat_s']:.2f} | {f['first_s']:.2f} / "
+                         f"{f['repeat_s']:.2f} | {f['stall_s']:.2f} |")
+    rows = [(n, r["cold_start"]) for n, r in results["models"].items() if r.get("cold_start")]
+    if rows:
+        lines += ["", "Fresh process, batch 1, 32 new tokens, seconds (cold: empty Triton cache; warm: the cache the "
+                  "cold process left):", "",
+                  "| model | variant | build | cold first / second generate | warm first / second generate |",
+                  "|---|---|---|---|---|"]
+        for name, d in rows:
+            for variant, row in d.items():
+                c, w = row["cold"], row["warm"]
+                lines.append(f"| {name} | {variant} | {c['build_s']:.1f} | {c['first_s']:.2f} / {c['repeat_s']:.2f} | "
+                             f"{w['first_s']:.2f} / {w['repeat_s']:.2f} |")
+    rows = [(n, L, d) for n, r in results["models"].items() for L, d in r.get("long_context", {}).items()]
+    if rows:
+        lines += ["", "Long prompts, batch 1 (prefill: a 1-token generate; peak: allocated on top of the resident "
+                  "models; decode at that context):", "",
+                  "| model | prompt | stock prefill ms | fused prefill ms | prefill floor ms | fused / floor | "
+                  "peak GiB stock / fused | stock decode ms/token | fused decode ms/token | decode floor ms | "
+                  "fused / floor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        cell = lambda d, k, f="{:.1f}": "OOM" if "oom" in d else f.format(d[k])  # noqa: E731
+        for name, L, d in rows:
+            st, f, floor = d["stock"], d["fused"], d.get("floor")
+            gib = lambda x: "OOM" if "oom" in x else ("-" if x["prefill_peak_bytes"] is None  # noqa: E731
+                                                      else f"{x['prefill_peak_bytes'] / 2**30:.2f}")
+            ratio = lambda k, fk: "-" if not floor or "oom" in f else f"{f[k] / floor[fk]:.2f}x"  # noqa: E731
+            lines.append(f"| {name} | {L} | {cell(st, 'prefill_ms')} | {cell(f, 'prefill_ms')} | "
+                         + (f"{floor['prefill_ms']:.1f}" if floor else "-") + f" | {ratio('prefill_ms', 'prefill_ms')} | "
+                         f"{gib(st)} / {gib(f)} | {cell(st, 'decode_ms_per_token', '{:.3f}')} | "
+                         f"{cell(f, 'decode_ms_per_token', '{:.3f}')} | "
+                         + (f"{floor['decode_ms']:.3f}" if floor else "-")
+                         + f" | {ratio('decode_ms_per_token', 'decode_ms')} |")
+    return lines
 
 
 def plot(results: dict, path: Path) -> None:
@@ -660,9 +838,18 @@ def main(argv=None):
     p.add_argument("--new-shapes", default="",
                    help="comma list of BATCHxPROMPT_LEN (e.g. 2x32,4x1152): first vs repeat generate at each, after "
                         "the other runs (the new-shape stall)")
+    p.add_argument("--long-context", default="",
+                   help="comma list of prompt lengths (e.g. 32768,131072): prefill time, its peak memory and decode "
+                        "ms/token at that context, stock and fused, against their floors")
+    p.add_argument("--cold-start", default="",
+                   help="comma list of variants (stock,fused): first generate in fresh processes with an empty, then "
+                        "a warm Triton cache")
+    p.add_argument("--cold-child", default=None, choices=["stock", "fused"], help=argparse.SUPPRESS)
     p.add_argument("--gpus", type=int, default=1, help="dispatch both models over this many GPUs (device_map)")
     p.add_argument("--out", default="out/bench")
     args = p.parse_args(argv)
+    if args.cold_child:
+        return cold_child(args)
 
     import transformers
 
@@ -708,6 +895,9 @@ def main(argv=None):
             r["new_shapes"] = new_shape_calls(models, shapes, 32, device, vocab, out / f"profile_{name}")
         if lengths:  # --lengths '' skips the forward runs (decode only)
             r["memory"] = peak_memory(models, max(lengths), device, vocab)
+        if args.long_context:
+            r["long_context"] = long_context(models, [int(x) for x in args.long_context.split(",")], args.new_tokens,
+                                             device, vocab, results["ceilings"], counts, dtype)
         if args.profile and device.type == "cuda":
             r["profile"] = {T: profile_forward(models, int(T), device, vocab) for T in args.profile.split(",")}
         if args.profile_decode and device.type == "cuda":
@@ -717,6 +907,15 @@ def main(argv=None):
         r["floors"] = {"forward_ms": {str(T): 2 * (counts["body"] * T + counts["lm_head"]) / ceil["bf16_flops_per_s"] * 1e3 for T in lengths},
                        "decode_ms": counts["weight_bytes"] / ceil["copy_bytes_per_s"] * 1e3} if ceil else {}
         results["models"][name] = r
+        if args.cold_start:  # after this model is freed: the children need the memory
+            del stock, fused, models
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            child_argv = (["--model", args.model] if args.model else ["--shapes", shape]) + [
+                "--device", args.device, "--dtype", args.dtype]
+            r["cold_start"] = cold_start({"name": name, "argv": child_argv}, args.cold_start.split(","),
+                                         args.prompt_len, 32)
+            stock = fused = models = None
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(results, indent=2))  # after each model: a cut-off run keeps it
         del stock, fused, models

@@ -128,12 +128,33 @@ def test_readme_cpu_setup_loads_the_model_as_stock_and_fused():
     assert len(out["Qwen3_5ForCausalLM"]) > 6
 
 
-def test_benchmark_decode_only_on_cpu(tmp_path):
+def _children_in_process(monkeypatch, capsys):
+    """Make `subprocess.run` (as `benchmark_latency.cold_start` calls it) run the script's `main` in this process on
+    the child's own arguments, recording each call's command line and Triton cache directory: a fresh interpreter per
+    child costs ~15 s on CI's cores, and the script's own argument handling is what is under test."""
+    calls = []
+
+    def run(cmd, env, capture_output, text):
+        assert cmd[:2] == [sys.executable, str(REPO / "scripts" / "benchmark_latency.py")], cmd
+        calls.append((cmd[2:], env["TRITON_CACHE_DIR"]))
+        capsys.readouterr()
+        benchmark_latency.main(cmd[2:])
+        return subprocess.CompletedProcess(cmd, 0, capsys.readouterr().out, "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return calls
+
+
+def test_benchmark_decode_only_on_cpu(tmp_path, monkeypatch, capsys):
     """`--lengths ''` skips the forward runs; decode reports stock, fused without graphs and fused; `--new-shapes`
-    times the first and the repeat call at each new shape for both models, and profiles the fused first call."""
+    times the first and the repeat call at each new shape for both models, and profiles the fused first call;
+    `--long-context` times prefill and decode at a long prompt; `--cold-start` runs its children (here in this
+    process, with the command line and environment the real subprocess would get: see `_children_in_process`)."""
+    children = _children_in_process(monkeypatch, capsys)
     benchmark_latency.main(["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "",
                             "--requests", "0", "--decode-batches", "2", "--new-tokens", "3", "--decode-repeats", "1",
-                            "--new-shapes", "3x5", "--out", str(tmp_path)])
+                            "--new-shapes", "3x5", "--long-context", "40", "--cold-start", "fused",
+                            "--out", str(tmp_path)])
     tiny = json.loads((tmp_path / "results.json").read_text())["models"]["tiny"]
     assert tiny["forward"] == {"stock": {}, "fused-eager": {}, "fused": {}} and "memory" not in tiny
     assert set(tiny["decode"]["2"]) == {"stock", "fused-eager", "fused"}
@@ -141,8 +162,31 @@ def test_benchmark_decode_only_on_cpu(tmp_path):
     assert set(new) == {"stock", "fused"} and all(r["first_s"] > 0 and r["repeat_s"] > 0 for r in new.values())
     assert all(math.isclose(r["stall_s"], r["first_s"] - r["repeat_s"]) for r in new.values())
     assert "cumulative" in (tmp_path / "profile_tiny" / "first_call_3x5.txt").read_text()
-    assert "| tiny | 2 |" in (tmp_path / "results.md").read_text()
+    long = tiny["long_context"]["40"]
+    assert set(long) == {"stock", "fused"}  # no floor row without a GPU's measured ceilings
+    assert all(r["prefill_ms"] > 0 and math.isfinite(r["decode_ms_per_token"]) for r in long.values())
+    cold = tiny["cold_start"]["fused"]
+    assert set(cold) == {"cold", "warm"} and all(c["build_s"] > 0 and c["first_s"] > 0 for c in cold.values())
+    (cold_argv, cold_dir), (warm_argv, warm_dir) = children
+    assert cold_argv == warm_argv and cold_argv[:2] == ["--cold-child", "fused"] and "tiny" in cold_argv
+    assert cold_dir == warm_dir and not Path(cold_dir).exists()  # one cache for both phases, removed afterwards
+    md = (tmp_path / "results.md").read_text()
+    assert "| tiny | 2 |" in md and "| tiny | 3x5 |" in md and "| tiny | fused |" in md and "| tiny | 40 |" in md
     assert (tmp_path / "decode.png").stat().st_size > 1000
+
+
+def test_benchmark_floors_of_long_contexts():
+    """The decode floor's extra bytes at 4B and 32,768 tokens: 8 full-attention layers' K and V (4 heads of 256, bf16)
+    plus 24 DeltaNet layers' fp32 states (32 heads of 128 x 128) and conv windows (8,192 channels x 4, bf16)."""
+    from transformers import Qwen3_5TextConfig
+
+    from scripts.common import real_text_kwargs
+
+    config = Qwen3_5TextConfig(**real_text_kwargs("4B"))
+    kv = 8 * 2 * 32768 * 4 * 256 * 2
+    deltanet = 24 * (32 * 128 * 128 * 4 + (2 * 16 * 128 + 32 * 128) * 4 * 2)
+    assert benchmark_latency.context_bytes(config, 32768, torch.bfloat16) == kv + deltanet
+    assert benchmark_latency.attention_flops(config, 32768) == 8 * 2.0 * 32768**2 * 16 * 256
 
 
 def test_benchmark_gpu_device_map_splits_layers_evenly():
