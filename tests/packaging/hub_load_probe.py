@@ -1,5 +1,6 @@
-"""Run in a subprocess with HF_HUB_OFFLINE=1 and a prepared cache: load a repo id with and without
-trust_remote_code and print one JSON line with what came back. Usage: hub_load_probe.py REPO_ID AUTO_CLASS"""
+"""Run in a subprocess with HF_HUB_OFFLINE=1 and a prepared cache: load each repo id with and without
+trust_remote_code and print one JSON line per pair, in order, with what came back (one process for several repos: a
+fresh interpreter costs more than the loads). Usage: hub_load_probe.py REPO_ID AUTO_CLASS [REPO_ID AUTO_CLASS ...]"""
 
 import json
 import sys
@@ -11,8 +12,6 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.common import import_module  # noqa: E402
 
-repo_id, auto_name = sys.argv[1], sys.argv[2]
-auto = getattr(transformers, auto_name)
 
 
 def stock_cpu_forward(model, ids):
@@ -21,22 +20,28 @@ def stock_cpu_forward(model, ids):
         return model(input_ids=ids).logits
 
 
-result = {}
-ids = torch.tensor([[5, 17, 42, 9, 77, 3, 11]])
-for trust in (True, False):
-    model, info = auto.from_pretrained(repo_id, trust_remote_code=trust, output_loading_info=True, dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits if trust else stock_cpu_forward(model, ids)
-    result[str(trust)] = {
-        "class": type(model).__name__,
-        "module": type(model).__module__,
-        "missing": sorted(info["missing_keys"]),
-        "unexpected": sorted(info["unexpected_keys"]),
-        "mismatched": [list(map(str, m)) for m in info.get("mismatched_keys", [])],
-        "fused_kernels": getattr(model.config, "fused_kernels", None),
-        "logits": logits[0, -1, :16].tolist(),
-        # the feed-forward kind: "mlp" (dense) or "moe"
-        "describe": next(v for k, v in model.describe()["layers"].items() if k in ("mlp", "moe")) if trust else None,
-    }
-print("RESULT " + json.dumps(result))
+def probe(repo_id: str, auto_name: str) -> dict:
+    auto = getattr(transformers, auto_name)
+    result = {}
+    ids = torch.tensor([[5, 17, 42, 9, 77, 3, 11]])
+    for trust in (True, False):
+        model, info = auto.from_pretrained(repo_id, trust_remote_code=trust, output_loading_info=True, dtype=torch.float32)
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits if trust else stock_cpu_forward(model, ids)
+        result[str(trust)] = {
+            "class": type(model).__name__,
+            "module": type(model).__module__,
+            "missing": sorted(info["missing_keys"]),
+            "unexpected": sorted(info["unexpected_keys"]),
+            "mismatched": [list(map(str, m)) for m in info.get("mismatched_keys", [])],
+            "fused_kernels": getattr(model.config, "fused_kernels", None),
+            "logits": logits[0, -1, :16].tolist(),
+            # the feed-forward kind: "mlp" (dense) or "moe"
+            "describe": next(v for k, v in model.describe()["layers"].items() if k in ("mlp", "moe")) if trust else None,
+        }
+    return result
+
+
+for repo_id, auto_name in zip(sys.argv[1::2], sys.argv[2::2]):
+    print("RESULT " + json.dumps(probe(repo_id, auto_name)), flush=True)

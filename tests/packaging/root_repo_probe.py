@@ -1,6 +1,8 @@
 """Subprocess probe for the shipped model: load REPO_OR_PATH with AUTO_CLASS, with and without trust_remote_code,
 and print the classes and the held-out NLL of both (the recorded evaluation procedure). Usage:
-root_repo_probe.py REPO_OR_PATH AUTO_CLASS [WINDOWS]
+root_repo_probe.py REPO_OR_PATH AUTO_CLASS[,AUTO_CLASS...] [WINDOWS]
+
+One RESULT line per Auto class, in order (one process for all: a fresh interpreter costs more than the loads).
 
 WINDOWS (optional): score only the first WINDOWS held-out windows (a quicker check that both load the same model;
 the recorded NLL is over all of them)."""
@@ -18,23 +20,24 @@ spec = importlib.util.spec_from_file_location("train_tiny_model", REPO / "script
 tiny = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tiny)
 
-target, auto_name = sys.argv[1], sys.argv[2]
+target, auto_names = sys.argv[1], sys.argv[2].split(",")
 windows = int(sys.argv[3]) if len(sys.argv) > 3 else None
-auto = getattr(transformers, auto_name)
 tokenizer = transformers.AutoTokenizer.from_pretrained(target)
 text = (REPO / "data" / "heldout.txt").read_text()
 if windows is not None:  # the windows are cut from the token stream: keep the text of the first `windows`
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][: windows * 256]
     text = tokenizer.decode(ids)
 torch.set_num_threads(1)
-result = {}
-for trust in (True, False):
-    model, info = auto.from_pretrained(target, trust_remote_code=trust, dtype=torch.float32, output_loading_info=True)
-    model.eval()
-    lm = model
-    with tiny.torch_linear_attention():
-        nll = tiny.heldout_nll(lm, tokenizer, text) if auto_name == "AutoModelForCausalLM" else None
-    result[str(trust)] = {"class": type(model).__name__, "module": type(model).__module__,
-                          "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
-                          "nll": nll, "fused_kernels": getattr(model.config, "fused_kernels", None)}
-print("RESULT " + json.dumps(result))
+for auto_name in auto_names:
+    auto = getattr(transformers, auto_name)
+    result = {}
+    for trust in (True, False):
+        model, info = auto.from_pretrained(target, trust_remote_code=trust, dtype=torch.float32,
+                                           output_loading_info=True)
+        model.eval()
+        with tiny.torch_linear_attention():
+            nll = tiny.heldout_nll(model, tokenizer, text) if auto_name == "AutoModelForCausalLM" else None
+        result[str(trust)] = {"class": type(model).__name__, "module": type(model).__module__,
+                              "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
+                              "nll": nll, "fused_kernels": getattr(model.config, "fused_kernels", None)}
+    print("RESULT " + json.dumps(result), flush=True)

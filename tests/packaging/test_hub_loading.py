@@ -28,12 +28,21 @@ def _write_repo(model, folder: Path, auto_map: dict) -> None:
 
 
 def _probe(tmp_path, repo_id, auto_name, extra_env=None):
+    results, stderr = _probe_many(tmp_path, [(repo_id, auto_name)], extra_env)
+    return results[0], stderr
+
+
+def _probe_many(tmp_path, pairs, extra_env=None):
+    """Load each (repo id, Auto class) in `pairs` with and without remote code, in one fresh process on the offline
+    cache under `tmp_path`; returns their results in order, and the process's stderr."""
     env = offline_env(tmp_path / "hub", tmp_path / "modules")
     env.update(extra_env or {})
-    proc = subprocess.run([sys.executable, str(PROBE), repo_id, auto_name], env=env, capture_output=True, text=True, timeout=600)
+    args = [x for pair in pairs for x in pair]
+    proc = subprocess.run([sys.executable, str(PROBE), *args], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):]), proc.stderr
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(lines) == len(pairs), proc.stdout[-2000:]
+    return [json.loads(line[len("RESULT "):]) for line in lines], proc.stderr
 
 
 def _check(result, fused_class, stock_class):
@@ -47,29 +56,6 @@ def _check(result, fused_class, stock_class):
     assert fused["logits"] == stock["logits"]  # CPU: the fused classes run stock's code, bit for bit
 
 
-def test_text_repo_by_id_offline(tmp_path):
-    torch.manual_seed(0)
-    model = modeling.Qwen3_5FusedForCausalLM(configuration.Qwen3_5FusedTextConfig(**composite_kwargs()["text_config"]))
-    _write_repo(model, tmp_path / "src", AUTO_MAP_TEXT)
-    make_hub_snapshot(tmp_path / "src", tmp_path / "hub", "test-org/tiny-qwen35-text")
-    result, stderr = _probe(tmp_path, "test-org/tiny-qwen35-text", "AutoModelForCausalLM")
-    _check(result, "Qwen3_5FusedForCausalLM", "Qwen3_5ForCausalLM")
-    assert "stock transformers code" in stderr  # the CPU fallback is announced
-
-
-@pytest.mark.parametrize("auto_name,fused_class,stock_class", [
-    ("AutoModelForCausalLM", "Qwen3_5FusedForCausalLM", "Qwen3_5ForCausalLM"),
-    ("AutoModelForImageTextToText", "Qwen3_5FusedForConditionalGeneration", "Qwen3_5ForConditionalGeneration"),
-], ids=["causal-lm", "image-text-to-text"])
-def test_composite_repo_by_id_offline(tmp_path, auto_name, fused_class, stock_class):
-    torch.manual_seed(0)
-    model = modeling.Qwen3_5FusedForConditionalGeneration(configuration.Qwen3_5FusedConfig(**composite_kwargs()))
-    _write_repo(model, tmp_path / "src", AUTO_MAP_COMPOSITE)
-    make_hub_snapshot(tmp_path / "src", tmp_path / "hub", "test-org/tiny-qwen35")
-    result, _ = _probe(tmp_path, "test-org/tiny-qwen35", auto_name)
-    _check(result, fused_class, stock_class)
-
-
 def _expert_layout(folder: Path) -> str:
     from safetensors.torch import load_file
 
@@ -80,17 +66,9 @@ def _expert_layout(folder: Path) -> str:
     return "per-expert" if per_expert else "3d"
 
 
-@pytest.mark.parametrize("layout", ["per-expert", "3d"])
-@pytest.mark.parametrize("composite,auto_name,fused_class,stock_class", [
-    (False, "AutoModelForCausalLM", "Qwen3_5MoeFusedForCausalLM", "Qwen3_5MoeForCausalLM"),
-    (True, "AutoModelForCausalLM", "Qwen3_5MoeFusedForCausalLM", "Qwen3_5MoeForCausalLM"),
-    (True, "AutoModelForImageTextToText", "Qwen3_5MoeFusedForConditionalGeneration",
-     "Qwen3_5MoeForConditionalGeneration"),
-], ids=["text", "composite-causal-lm", "composite-image-text-to-text"])
-def test_moe_repo_by_id_offline(tmp_path, layout, composite, auto_name, fused_class, stock_class):
-    """An MoE repo by id, its weights in the Hub's per-expert layout (what a save writes, as real checkpoints) or in
-    transformers' 3D layout: the remote classes load both with no missing or unexpected key, as stock does, and give
-    stock's logits (CPU: the stock path, bit for bit)."""
+def _moe_repo(root: Path, composite: bool, layout: str) -> str:
+    """An MoE repo in the offline cache under `root`, its weights in the Hub's per-expert layout (what a save writes,
+    as real checkpoints) or in transformers' 3D layout; returns its id."""
     from safetensors.torch import save_file
 
     torch.manual_seed(0)
@@ -100,14 +78,70 @@ def test_moe_repo_by_id_offline(tmp_path, layout, composite, auto_name, fused_cl
     else:
         model = modeling.Qwen3_5MoeFusedForCausalLM(
             configuration.Qwen3_5MoeFusedTextConfig(**moe_composite_kwargs()["text_config"]))
-    src = tmp_path / "src"
+    repo_id = f"test-org/tiny-qwen35-moe-{'composite' if composite else 'text'}-{layout}"
+    src = root / "src" / repo_id.split("/")[1]
     _write_repo(model, src, AUTO_MAP_MOE_COMPOSITE if composite else AUTO_MAP_MOE_TEXT)
     if layout == "3d":  # the tensors as transformers holds them in memory (the embeddings are tied: no lm_head)
         state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
         save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
     assert _expert_layout(src) == layout
-    make_hub_snapshot(src, tmp_path / "hub", "test-org/tiny-qwen35-moe")
-    result, _ = _probe(tmp_path, "test-org/tiny-qwen35-moe", auto_name)
+    make_hub_snapshot(src, root / "hub", repo_id)
+    return repo_id
+
+
+TEXT_ID, COMPOSITE_ID = "test-org/tiny-qwen35-text", "test-org/tiny-qwen35"
+MOE_CASES = [(False, "AutoModelForCausalLM", "Qwen3_5MoeFusedForCausalLM", "Qwen3_5MoeForCausalLM"),
+             (True, "AutoModelForCausalLM", "Qwen3_5MoeFusedForCausalLM", "Qwen3_5MoeForCausalLM"),
+             (True, "AutoModelForImageTextToText", "Qwen3_5MoeFusedForConditionalGeneration",
+              "Qwen3_5MoeForConditionalGeneration")]
+
+
+@pytest.fixture(scope="module")
+def offline_repos(tmp_path_factory):
+    """The dense text and composite repos and the MoE repos (text and composite, both expert layouts) in one offline
+    cache, each loaded by every Auto class its tests use, all in one fresh process (several repos' remote code side by
+    side in one process, as a user who loads two of them has). Returns ({(repo id, Auto class): result}, stderr)."""
+    root = tmp_path_factory.mktemp("offline-repos")
+    torch.manual_seed(0)
+    text = modeling.Qwen3_5FusedForCausalLM(configuration.Qwen3_5FusedTextConfig(**composite_kwargs()["text_config"]))
+    _write_repo(text, root / "src" / "text", AUTO_MAP_TEXT)
+    make_hub_snapshot(root / "src" / "text", root / "hub", TEXT_ID)
+    torch.manual_seed(0)
+    composite = modeling.Qwen3_5FusedForConditionalGeneration(configuration.Qwen3_5FusedConfig(**composite_kwargs()))
+    _write_repo(composite, root / "src" / "composite", AUTO_MAP_COMPOSITE)
+    make_hub_snapshot(root / "src" / "composite", root / "hub", COMPOSITE_ID)
+    pairs = [(TEXT_ID, "AutoModelForCausalLM"), (COMPOSITE_ID, "AutoModelForCausalLM"),
+             (COMPOSITE_ID, "AutoModelForImageTextToText")]
+    for layout in ("per-expert", "3d"):
+        for composite_moe in (False, True):
+            repo_id = _moe_repo(root, composite_moe, layout)
+            pairs += [(repo_id, auto) for c, auto, _, _ in MOE_CASES if c == composite_moe]
+    results, stderr = _probe_many(root, pairs)
+    return dict(zip(pairs, results)), stderr
+
+
+def test_text_repo_by_id_offline(offline_repos):
+    results, stderr = offline_repos
+    _check(results[(TEXT_ID, "AutoModelForCausalLM")], "Qwen3_5FusedForCausalLM", "Qwen3_5ForCausalLM")
+    assert "stock transformers code" in stderr  # the CPU fallback is announced
+
+
+@pytest.mark.parametrize("auto_name,fused_class,stock_class", [
+    ("AutoModelForCausalLM", "Qwen3_5FusedForCausalLM", "Qwen3_5ForCausalLM"),
+    ("AutoModelForImageTextToText", "Qwen3_5FusedForConditionalGeneration", "Qwen3_5ForConditionalGeneration"),
+], ids=["causal-lm", "image-text-to-text"])
+def test_composite_repo_by_id_offline(offline_repos, auto_name, fused_class, stock_class):
+    _check(offline_repos[0][(COMPOSITE_ID, auto_name)], fused_class, stock_class)
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "3d"])
+@pytest.mark.parametrize("composite,auto_name,fused_class,stock_class", MOE_CASES,
+                         ids=["text", "composite-causal-lm", "composite-image-text-to-text"])
+def test_moe_repo_by_id_offline(offline_repos, layout, composite, auto_name, fused_class, stock_class):
+    """An MoE repo by id, in the Hub's per-expert layout or transformers' 3D layout: the remote classes load both
+    with no missing or unexpected key, as stock does, and give stock's logits (CPU: the stock path, bit for bit)."""
+    repo_id = f"test-org/tiny-qwen35-moe-{'composite' if composite else 'text'}-{layout}"
+    result = offline_repos[0][(repo_id, auto_name)]
     _check(result, fused_class, stock_class)
     assert result["True"]["describe"]["ops"] == "stock transformers forward"  # the MoE block, on CPU: stock
 
@@ -150,17 +184,33 @@ ROOT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tok
 ROOT_PROBE = Path(__file__).with_name("root_repo_probe.py")
 
 
-def _root_probe(tmp_path, target, auto_name, windows=None):
+def _root_probe(tmp_path, target, auto_names, windows=None):
+    """`root_repo_probe.py` on `target` for each Auto class in `auto_names`, in one fresh process: their results."""
     env = offline_env(tmp_path / "hub", tmp_path / "modules")
     extra = [] if windows is None else [str(windows)]
-    proc = subprocess.run([sys.executable, str(ROOT_PROBE), target, auto_name, *extra], env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run([sys.executable, str(ROOT_PROBE), target, ",".join(auto_names), *extra], env=env,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1][len("RESULT "):])
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(lines) == len(auto_names), proc.stdout[-2000:]
+    return [json.loads(line[len("RESULT "):]) for line in lines]
+
+
+@pytest.fixture(scope="module")
+def local_folder(tmp_path_factory):
+    """The repo root's files copied to a plain folder (as after `hf download --local-dir`), loaded by
+    AutoModelForCausalLM (scoring the first 8 held-out windows) and AutoModelForImageTextToText in one process."""
+    tmp = tmp_path_factory.mktemp("local-folder")
+    target = tmp / "local"
+    target.mkdir()
+    for name in ROOT_FILES:
+        shutil.copy2(REPO / name, target / name)
+    lm, vlm = _root_probe(tmp, str(target), ["AutoModelForCausalLM", "AutoModelForImageTextToText"], windows=8)
+    return {"AutoModelForCausalLM": lm, "AutoModelForImageTextToText": vlm}
 
 
 @pytest.mark.parametrize("via", ["repo-id", "local-folder"])
-def test_shipped_model_loads_and_reproduces_recorded_nll(tmp_path, via):
+def test_shipped_model_loads_and_reproduces_recorded_nll(tmp_path, request, via):
     """The repo root is a Hub model repo: by id through the offline cache, with and without trust_remote_code, the
     held-out NLL is the one recorded at training time; from a plain local folder (as after `hf download
     --local-dir`) both load the same model (the NLL of the first 8 windows agrees; the full NLL is the repo-id
@@ -168,13 +218,9 @@ def test_shipped_model_loads_and_reproduces_recorded_nll(tmp_path, via):
     recorded = json.loads((REPO / "training_report.json").read_text())
     if via == "repo-id":
         make_hub_snapshot(REPO, tmp_path / "hub", "test-org/qwen35-fused-tiny", files=ROOT_FILES)
-        target = "test-org/qwen35-fused-tiny"
+        (result,) = _root_probe(tmp_path, "test-org/qwen35-fused-tiny", ["AutoModelForCausalLM"])
     else:
-        target = str(tmp_path / "local")
-        Path(target).mkdir()
-        for name in ROOT_FILES:
-            shutil.copy2(REPO / name, Path(target) / name)
-    result = _root_probe(tmp_path, target, "AutoModelForCausalLM", windows=None if via == "repo-id" else 8)
+        result = request.getfixturevalue("local_folder")["AutoModelForCausalLM"]
     fused, stock = result["True"], result["False"]
     assert fused["class"] == "Qwen3_5FusedForCausalLM" and stock["class"] == "Qwen3_5ForCausalLM"
     for r in (fused, stock):
@@ -188,12 +234,8 @@ def test_shipped_model_loads_and_reproduces_recorded_nll(tmp_path, via):
     assert abs(stock["nll"]["nll_per_token"] - want) <= 1e-4 * want
 
 
-def test_shipped_model_loads_as_image_text_to_text_from_local_folder(tmp_path):
-    target = tmp_path / "local"
-    target.mkdir()
-    for name in ROOT_FILES:
-        shutil.copy2(REPO / name, target / name)
-    result = _root_probe(tmp_path, str(target), "AutoModelForImageTextToText")
+def test_shipped_model_loads_as_image_text_to_text_from_local_folder(local_folder):
+    result = local_folder["AutoModelForImageTextToText"]
     assert result["True"]["class"] == "Qwen3_5FusedForConditionalGeneration"
     assert result["False"]["class"] == "Qwen3_5ForConditionalGeneration"
     assert not result["True"]["missing"] and not result["True"]["unexpected"]
