@@ -5,6 +5,8 @@
 - Tests of our kernels on CPU tensors carry `helpers.needs_interpreter`: skipped where a GPU is visible.
 - Without a GPU, Triton kernels run under the interpreter (`TRITON_INTERPRET=1`), which must be set before
   `triton.jit` decorates anything, so it is set here, before any test module imports `fused_ops`.
+- transformers' own tests (tests/upstream) run in two subprocesses, started when collection ends so that they
+  overlap with the rest of the suite; the test waits for them, and the session's end stops any still running.
 """
 
 import os
@@ -44,6 +46,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+_UPSTREAM_TEST = "test_fused_classes_pass_what_stock_passes"
+_started = []  # the upstream test module, once its runs were started
+
+
+def pytest_collection_finish(session):
+    """When the session will run the upstream comparison (tests/upstream), start its two subprocess runs now, so they
+    overlap with the rest of the suite instead of running after it."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        if item.name == _UPSTREAM_TEST and hasattr(item.module, "start_runs"):
+            item.module.start_runs()
+            _started.append(item.module)
+            return
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for module in _started:
+        module.stop_runs()
 
 
 def pytest_report_header(config):

@@ -4,7 +4,9 @@ classes passes with the fused ones, except the cases in BY_DESIGN.
 The upstream tests live beside the repo, in `<repo>/../shared/upstream-tests` (see its README; they are not copied
 into the repo); the test skips where that folder is absent. The upstream test file runs twice, in two parallel
 subprocesses with the same options: as it is (stock), and with `-p fused_substitute` (the fused classes in place of
-the stock ones, see that module). Outcomes are read per test from each run's JUnit XML.
+the stock ones, see that module). Outcomes are read per test from each run's JUnit XML. When the session will run
+this test, `tests/conftest.py` starts both runs as soon as collection ends (`start_runs`), so they overlap with the
+rest of the suite (which leaves a core idle most of the time); the test waits for them.
 
 It runs wherever the suite runs: on CPU in CI, and on a GPU machine (`python -m pytest tests/upstream`), where the
 fused kernels run and stock itself fails some tests (training with fla, ...): the comparison is always against
@@ -12,12 +14,15 @@ stock on the same machine. Without a GPU both runs hide flash-linear-attention (
 """
 
 import fnmatch
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import xml.etree.ElementTree as ET
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,7 +33,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 UPSTREAM = REPO.parent / "shared" / "upstream-tests"
 TEST_FILE = "tests/models/qwen3_5/test_modeling_qwen3_5.py"
-# One run takes ~2 min on CI's 2 cores (~4 min for the two side by side); the limit is for a hung run.
+# One run takes ~2 min on CI's 2 cores (~4 min for the two side by side); the limit, from a run's start, is for a
+# hung run.
 RUN_TIMEOUT_S = 1500
 
 # Tests that pass with stock and cannot pass with the fused classes, by design: {test id pattern (fnmatch): reason}.
@@ -61,26 +67,72 @@ def _stage(root: Path) -> Path:
     return stage
 
 
-def _run(stage: Path, out: Path, plugins: list[str]) -> dict:
-    """Run the upstream Qwen3.5 test file with `plugins`; returns {"outcomes": {test id: (outcome, first line)},
-    "tail": the end of its output, "timed_out", "substitutions": what fused_substitute reported (when loaded)}."""
-    junit, report = out.with_suffix(".xml"), out.with_suffix(".json")
+def _start(stage: Path, out: Path, plugins: list[str]) -> dict:
+    """Start the upstream Qwen3.5 test file with `plugins` in a subprocess, its output to a file beside `out`."""
+    junit, report, log = out.with_suffix(".xml"), out.with_suffix(".json"), out.with_suffix(".log")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_ADDOPTS")}
     # TRITON_INTERPRET is set by the repo's conftest for our kernel tests; the upstream tests run as a user would.
     env["PYTHONPATH"] = os.pathsep.join([str(stage), str(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["QWEN3_5_SUBSTITUTE_REPORT"] = str(report)
+    env.setdefault("OMP_NUM_THREADS", "1")  # tiny models: one thread each, beside the rest of the suite
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "_peer_compat"]
     for plugin in plugins:
         cmd += ["-p", plugin]
     cmd += ["-q", "-rN", "--tb=line", f"--junitxml={junit}", TEST_FILE]
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=stage, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    return {"proc": proc, "junit": junit, "report": report, "log": log, "started": time.monotonic()}
+
+
+def _finish(run: dict) -> dict:
+    """Wait for a run `_start` began (at most RUN_TIMEOUT_S from its start); returns {"outcomes": {test id: (outcome,
+    first line)}, "tail": the end of its output, "timed_out", "substitutions": what fused_substitute reported}."""
+    proc, timed_out = run["proc"], False
     try:
-        proc = subprocess.run(cmd, cwd=stage, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        tail, timed_out = (proc.stdout + proc.stderr)[-3000:], False
-    except subprocess.TimeoutExpired as e:
-        tail, timed_out = str(e.stdout or "")[-2000:], True
-    outcomes = _parse_junit(junit) if junit.exists() else {}
-    substitutions = json.loads(report.read_text()) if report.exists() else None
+        proc.wait(timeout=max(1.0, RUN_TIMEOUT_S - (time.monotonic() - run["started"])))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        timed_out = True
+    tail = run["log"].read_text(errors="replace")[-3000:] if run["log"].exists() else ""
+    outcomes = _parse_junit(run["junit"]) if run["junit"].exists() else {}
+    substitutions = json.loads(run["report"].read_text()) if run["report"].exists() else None
     return {"outcomes": outcomes, "tail": tail, "timed_out": timed_out, "substitutions": substitutions}
+
+
+# The two runs of this session, once started: {"dir": their folder, "stock": ..., "fused": ...} (see start_runs).
+_RUNS: dict = {}
+
+
+def skip_reason() -> str | None:
+    """Why this machine cannot run the comparison, or None."""
+    if not (UPSTREAM / TEST_FILE).is_file():
+        return f"transformers' Qwen3.5 tests not found at {UPSTREAM} (the shared folder beside the repo)"
+    if importlib.util.find_spec("parameterized") is None:
+        return "the upstream tests need `parameterized` (requirements.txt)"
+    return None
+
+
+def start_runs() -> None:
+    """Start the stock and the fused run in the background, once per session (nothing where they cannot run)."""
+    if _RUNS or skip_reason():
+        return
+    root = Path(tempfile.mkdtemp(prefix="qwen35-upstream-"))
+    stage = _stage(root)
+    common = [] if torch.cuda.is_available() else ["no_fla"]
+    _RUNS.update(dir=root, stock=_start(stage, root / "stock", common),
+                 fused=_start(stage, root / "fused", common + ["fused_substitute"]))
+
+
+def stop_runs() -> None:
+    """End of session: stop runs still going (their test was not reached) and remove their folder."""
+    for key in ("stock", "fused"):
+        if key in _RUNS and _RUNS[key]["proc"].poll() is None:
+            _RUNS[key]["proc"].kill()
+            _RUNS[key]["proc"].wait()
+    if "dir" in _RUNS:
+        shutil.rmtree(_RUNS["dir"], ignore_errors=True)
+    _RUNS.clear()
 
 
 def _parse_junit(path: Path) -> dict:
@@ -104,16 +156,12 @@ def _by_design(test_id: str) -> str | None:
 
 
 @pytest.mark.slow
-def test_fused_classes_pass_what_stock_passes(tmp_path):
-    if not (UPSTREAM / TEST_FILE).is_file():
-        pytest.skip(f"transformers' Qwen3.5 tests not found at {UPSTREAM} (the shared folder beside the repo)")
-    pytest.importorskip("parameterized", reason="the upstream tests need `parameterized` (requirements.txt)")
-    stage = _stage(tmp_path)
-    common = [] if torch.cuda.is_available() else ["no_fla"]
-    with ThreadPoolExecutor(2) as pool:
-        stock_run = pool.submit(_run, stage, tmp_path / "stock", common)
-        fused_run = pool.submit(_run, stage, tmp_path / "fused", common + ["fused_substitute"])
-        stock, fused = stock_run.result(), fused_run.result()
+def test_fused_classes_pass_what_stock_passes():
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    start_runs()  # already running when conftest started them at the end of collection
+    stock, fused = _finish(_RUNS["stock"]), _finish(_RUNS["fused"])
 
     for name, run in (("stock", stock), ("fused", fused)):
         assert not run["timed_out"], f"the {name} run took over {RUN_TIMEOUT_S} s; its output ends:\n{run['tail']}"
