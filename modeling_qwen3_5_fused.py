@@ -605,9 +605,14 @@ class _FusedMoeMixin:
     }
 
     def _init_weights(self, module):
-        super()._init_weights(module)  # stock MoE's: experts, router, linears, embeddings
+        super()._init_weights(module)  # stock MoE's: experts, linears, embeddings
         # stock MoE's init tests for its own DeltaNet / RMSNorm classes; the fused ones subclass the dense twins
-        if isinstance(module, Qwen3_5GatedDeltaNet):
+        if isinstance(module, Qwen3_5MoeTopKRouter):
+            # stock initializes the router from its parent block, a module with no parameters of its own, which
+            # transformers skips for remote code (it reads such a module as initialized): the router would stay zero,
+            # so every token would route to the same k experts. Here the router itself is the module.
+            stock_init.normal_(module.weight, mean=0.0, std=self.config.get_text_config().initializer_range)
+        elif isinstance(module, Qwen3_5GatedDeltaNet):
             stock_init.ones_(module.dt_bias)
             stock_init.copy_(
                 module.A_log, torch.empty(module.num_v_heads, device=module.A_log.device).uniform_(0.01, 16).log_()

@@ -195,6 +195,21 @@ def stock_and_fused_moe_lm(shape="E8-top2", seed=0, fused_kernels=True, dtype=to
     return stock, fused
 
 
+def assert_initialized_like_stock(stock, fused):
+    """`fused` and `stock`, each built from a config (random init), have the same parameters and stock's init: the
+    same ones constant (norms, biases: equal values), every other one random with stock's spread (compared where
+    there are enough samples for it; A_log has one per head)."""
+    stock_params, fused_params = dict(stock.named_parameters()), dict(fused.named_parameters())
+    assert stock_params.keys() == fused_params.keys()
+    for name, p in stock_params.items():
+        q = fused_params[name]
+        if p.numel() == 1 or p.std() == 0:
+            assert torch.equal(q, p), name  # a constant init (ones, zeros, a fixed value)
+        else:
+            assert q.std() > 0, name
+            assert p.numel() < 256 or abs(q.std().item() / p.std().item() - 1) < 0.25, (name, q.std(), p.std())
+
+
 def ieee_stock(model):
     """`model`, a stock Qwen3.5, made to run stock's own torch DeltaNet code (the fp32 reference of the CUDA tests).
 

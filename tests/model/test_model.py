@@ -17,6 +17,7 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 from safetensors.torch import load_file
 
 from helpers import (
+    assert_initialized_like_stock,
     BOUNDS,
     cuda_pair,
     layers,
@@ -242,6 +243,23 @@ def test_cpu_fallback_with_fla_installed_uses_torch_kernels():
     with torch.no_grad():
         assert torch.isfinite(fused(input_ids=ids).logits).all()
     assert stock_mod.torch_chunk_gated_delta_rule is fn  # the routing is undone after the call
+
+
+@pytest.mark.parametrize("composite", [False, True], ids=["text", "composite"])
+def test_built_from_config_initialized_like_stock(composite):
+    """Built from a config (training from scratch, or a weight a checkpoint lacks), the fused classes get stock's
+    init (the MoE classes' twin of this test caught a router left at zero)."""
+    from transformers import Qwen3_5Config, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    if composite:
+        stock = Qwen3_5ForConditionalGeneration(Qwen3_5Config(**composite_kwargs()))
+        fused = modeling.Qwen3_5FusedForConditionalGeneration(configuration.Qwen3_5FusedConfig(**composite_kwargs()))
+    else:
+        kwargs = composite_kwargs()["text_config"]
+        stock = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**kwargs))
+        fused = modeling.Qwen3_5FusedForCausalLM(configuration.Qwen3_5FusedTextConfig(**kwargs))
+    assert_initialized_like_stock(stock, fused)
 
 
 def test_training_mode_and_gradients_fall_back_and_train():

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 
 from helpers import (
+    assert_initialized_like_stock,
     BOUNDS,
     cache_of,
     compat,
@@ -181,6 +182,24 @@ def test_stock_path_is_stock_bit_for_bit():
 
 
 @cpu_emulated
+@pytest.mark.parametrize("composite", [False, True], ids=["text", "composite"])
+def test_built_from_config_initialized_like_stock(composite):
+    """A model built from its config (training from scratch, or any weight a checkpoint lacks) gets stock's init: the
+    same parameters constant (norms, biases), every other one random with stock's spread. transformers skips the init
+    of a module without parameters of its own for remote code, where stock initializes the router from its block:
+    the fused router had stayed zero, so every token went to the same k experts on both paths."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
+
+    kwargs = moe_composite_kwargs() if composite else tiny_moe_text_kwargs()
+    torch.manual_seed(0)
+    stock = (Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(**kwargs)) if composite
+             else Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**kwargs)))
+    fused = (modeling.Qwen3_5MoeFusedForConditionalGeneration(configuration.Qwen3_5MoeFusedConfig(**kwargs)) if composite
+             else modeling.Qwen3_5MoeFusedForCausalLM(configuration.Qwen3_5MoeFusedTextConfig(**kwargs)))
+    assert_initialized_like_stock(stock, fused)
+    assert fused.get_decoder().layers[0].mlp.gate.weight.std() > 0
+
+
 def test_moe_group_is_packed_into_views_of_one_matrix():
     stock, fused = stock_and_fused_moe_lm("H67")
     with torch.no_grad():

@@ -128,6 +128,23 @@ def test_readme_cpu_setup_loads_the_model_as_stock_and_fused():
     assert len(out["Qwen3_5ForCausalLM"]) > 6
 
 
+def test_benchmark_moe_model_runs_on_cpu(tmp_path):
+    """The whole-model MoE benchmark's plumbing at the tiny shape: the variants switched on one model, decode and
+    prefill rows, the experts the router picks (no floors without a GPU's measured ceilings)."""
+    from scripts import benchmark_moe_model
+
+    results = benchmark_moe_model.main(["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1,3",
+                                        "--new-tokens", "2", "--prefill", "8", "--repeats", "1",
+                                        "--variants", "fused,stock-eager", "--out", str(tmp_path)])
+    assert set(results["variants"]) == {"fused", "stock-eager"} and results["floors"] == {}
+    for row in results["variants"].values():
+        assert set(row["decode_ms"]) == {"1", "3"} and isinstance(row["prefill_ms"], float)
+    hit = results["experts_hit"]
+    assert hit["1"] == 2 and 2 < hit["3"] <= 6  # top-2 of 8: one token picks 2; three pick more (a random router)
+    assert results["weights"]["expert"] == 3 * 32 * 64 * 4
+    assert "| stock-eager |" in (tmp_path / "moe_model.md").read_text()
+
+
 def _children_in_process(monkeypatch, capsys):
     """Make `subprocess.run` (as `benchmark_latency.cold_start` calls it) run the script's `main` in this process on
     the child's own arguments, recording each call's command line and Triton cache directory: a fresh interpreter per
