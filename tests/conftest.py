@@ -61,6 +61,10 @@ def pytest_collection_finish(session):
         if item.name == _UPSTREAM_TEST and hasattr(item.module, "start_runs"):
             item.module.start_runs()
             _started.append(item.module)
+            if not _HAS_CUDA:
+                # three processes on CI's two cores: one torch thread here too (OpenMP threads that wait for a
+                # busy core spin and burn it)
+                torch.set_num_threads(1)
             return
 
 
