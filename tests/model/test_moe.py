@@ -181,7 +181,6 @@ def test_stock_path_is_stock_bit_for_bit():
         assert fused.describe()["layers"]["moe"]["path"] == "stock"
 
 
-@cpu_emulated
 @pytest.mark.parametrize("composite", [False, True], ids=["text", "composite"])
 def test_built_from_config_initialized_like_stock(composite):
     """A model built from its config (training from scratch, or any weight a checkpoint lacks) gets stock's init: the
@@ -200,6 +199,7 @@ def test_built_from_config_initialized_like_stock(composite):
     assert fused.get_decoder().layers[0].mlp.gate.weight.std() > 0
 
 
+@cpu_emulated
 def test_moe_group_is_packed_into_views_of_one_matrix():
     stock, fused = stock_and_fused_moe_lm("H67")
     with torch.no_grad():
