@@ -138,6 +138,24 @@ def build_pair(shape: str | None, model_id: str | None, device, dtype, seed: int
     return stock, fused
 
 
+def build_one(shape: str | None, model_id: str | None, device, dtype, fused: bool, seed: int = 0):
+    """The stock or the fused model alone, as a user builds it (loaded from `model_id`, or random weights at `shape`
+    built in `dtype` on `device`): what a cold start pays for, without the other model of `build_pair`."""
+    from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    if model_id is not None:
+        extra = {"trust_remote_code": True, "fused_kernels": True} if fused else {}
+        return AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, **extra).to(device).eval()
+    configuration, modeling, _ = import_repo()
+    kwargs = tiny_text_kwargs() if shape == "tiny" else real_text_kwargs(shape)
+    config = (configuration.Qwen3_5FusedTextConfig(**kwargs, fused_kernels=True) if fused
+              else Qwen3_5TextConfig(**kwargs))
+    torch.manual_seed(seed)
+    with torch.device(device):
+        cls = modeling.Qwen3_5FusedForCausalLM if fused else Qwen3_5ForCausalLM
+        return cls._from_config(config, dtype=dtype).eval()
+
+
 def gpu_device_map(model, n: int) -> dict:
     """A device_map over GPUs 0..n-1: the decoder layers in n equal runs, the embeddings on GPU 0, the final norm on
     the last GPU, the LM head with the embeddings when they are tied, else on the last GPU."""
@@ -274,6 +292,16 @@ def request_set(models: dict, lengths, device, vocab, timer) -> dict:
     return out
 
 
+def generate_tokens(model, ids, n: int, device) -> None:
+    """`generate` exactly `n` new tokens greedily after the prompt `ids` [B, T] (no padding: an all-ones mask), the
+    stock model on CPU routed around fla (`stock_cpu_guard`), and wait for the GPU: what every timing here times."""
+    with torch.inference_mode(), stock_cpu_guard(device):
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, device, vocab, repeats: int = 3,
                  pdl_ab: bool = False) -> dict:
     """ms per generated token through plain generate(): (time for N new tokens - time for 1) / (N - 1), measured
@@ -286,7 +314,6 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
     kernels use programmatic dependent launch) a third fused run, "fused-no-pdl", captures its graphs with PDL off:
     PDL's share of the gain, measured in the same process."""
     ids = torch.randint(3, vocab, (batch, prompt_len), device=device)
-    mask = torch.ones_like(ids)
     variants = [("stock", models["stock"], None)]
     fused_ops_runtime = import_module("fused_ops_runtime")  # PDL_ENABLED is read there
     if "fused" in models:
@@ -303,11 +330,7 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
             model.set_fused_kernels(False).set_fused_kernels(True)
 
         def run(n):
-            with torch.inference_mode(), stock_cpu_guard(device):
-                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, pad_token_id=0)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            generate_tokens(model, ids, n, device)
 
         warm_ms = []
         for _ in range(2):  # warm: autotune, the decode step's graph (first call), the prompt's graph (second call)
@@ -371,15 +394,10 @@ def new_shape_calls(models: dict, shapes, new_tokens: int, device, vocab, profil
     out = {}
     for batch, prompt_len in shapes:
         ids = torch.randint(3, vocab, (batch, prompt_len), device=device)
-        mask = torch.ones_like(ids)
         row = {}
         for name, model in models.items():
             def run():
-                with torch.inference_mode(), stock_cpu_guard(device):
-                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                generate_tokens(model, ids, new_tokens, device)
 
             times = []
             for call in range(2):
@@ -442,14 +460,12 @@ def long_context(models: dict, lengths, new_tokens: int, device, vocab, ceil: di
             row["floor"] = {
                 "prefill_ms": (2 * counts["body"] * L + 2 * counts["lm_head"] + attention_flops(config, L))
                 / ceil["bf16_flops_per_s"] * 1e3,
-                "decode_ms": (counts["weight_bytes"] + context_bytes(config, L, dtype)) / ceil["copy_bytes_per_s"] * 1e3,
+                "decode_ms": (counts["weight_bytes"] + context_bytes(config, L, dtype))
+                / ceil["copy_bytes_per_s"] * 1e3,
                 "context_bytes": context_bytes(config, L, dtype)}
         for name, model in models.items():
             def run(n):
-                with torch.inference_mode(), stock_cpu_guard(device):
-                    model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                generate_tokens(model, ids, n, device)
 
             try:
                 run(1)  # untimed: this length's first call (the decode cache bucket, eager prompt past the buckets)
@@ -478,9 +494,9 @@ def long_context(models: dict, lengths, new_tokens: int, device, vocab, ceil: di
 def cold_start(target: dict, variants, prompt_len: int, new_tokens: int) -> dict:
     """The first `generate` on a fresh machine: each variant in fresh subprocesses (`--cold-child`), first with an
     empty Triton cache directory (TRITON_CACHE_DIR; it also holds the fused GEMV choice record), then again on the
-    cache the first process filled ("warm": a later process on the same machine). Each child builds the model (timed
-    apart) and times its first and second `generate` of `new_tokens` tokens at batch 1. fla's autotuning keeps no
-    on-disk record, so a warm process autotunes again."""
+    cache the first process filled ("warm": a later process on the same machine). Each child builds its model alone
+    (`build_one`, timed apart) and times its first and second `generate` of `new_tokens` tokens at batch 1. fla's
+    autotuning keeps no on-disk record, so a warm process autotunes again."""
     import os
     import subprocess
     import tempfile
@@ -498,8 +514,8 @@ def cold_start(target: dict, variants, prompt_len: int, new_tokens: int) -> dict
                 if proc.returncode or not lines:
                     raise RuntimeError(f"cold-start child {variant} ({phase}) failed:\n{proc.stderr[-3000:]}")
                 row[phase] = json.loads(lines[-1][len("RESULT "):])
-                log(f"cold start {target['name']} {variant} ({phase} Triton cache): build {row[phase]['build_s']:.1f} s, "
-                    f"first generate {row[phase]['first_s']:.2f} s, second {row[phase]['repeat_s']:.2f} s")
+                log(f"cold start {target['name']} {variant} ({phase} Triton cache): build "
+                    f"{row[phase]['build_s']:.1f} s, first generate {row[phase]['first_s']:.2f} s, second {row[phase]['repeat_s']:.2f} s")
             out[variant] = row
     return out
 
@@ -508,9 +524,7 @@ def cold_child(args) -> None:
     """One cold-start measurement (see `cold_start`), in this fresh process; prints `RESULT {json}`."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     t0 = time.perf_counter()
-    stock, fused = build_pair(None if args.model else args.shapes, args.model, device, dtype)
-    model = fused if args.cold_child == "fused" else stock
-    stock = fused = None  # only the measured variant stays resident
+    model = build_one(None if args.model else args.shapes, args.model, device, dtype, args.cold_child == "fused")
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -519,11 +533,7 @@ def cold_child(args) -> None:
     times = []
     for _ in range(2):
         t0 = time.perf_counter()
-        with torch.inference_mode(), stock_cpu_guard(device):
-            model.generate(input_ids=ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                           do_sample=False, pad_token_id=0)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        generate_tokens(model, ids, args.new_tokens, device)
         times.append(time.perf_counter() - t0)
     print("RESULT " + json.dumps({"build_s": build_s, "first_s": times[0], "repeat_s": times[1]}), flush=True)
 

@@ -31,7 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.benchmark_latency import Timer, attention_flops, log, measure_ceilings, stock_cpu_guard  # noqa: E402
+from scripts.benchmark_latency import (  # noqa: E402
+    Timer, attention_flops, generate_tokens, log, measure_ceilings, stock_cpu_guard,
+)
 from scripts.common import REAL_COMMON, import_repo, tiny_moe_text_kwargs, write_report  # noqa: E402
 
 # Qwen3.5-35B-A3B (also Qwen3.6-35B-A3B): the text model's shape
@@ -86,11 +88,7 @@ def decode_ms(model, batch: int, new_tokens: int, repeats: int, device, prompt_l
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), device=device)
 
     def run(n):
-        with torch.inference_mode(), stock_cpu_guard(device):
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        generate_tokens(model, ids, n, device)
 
     for _ in range(2):
         run(4)
