@@ -444,9 +444,13 @@ def attention_flops(config, T: int) -> float:
 def long_context(models: dict, lengths, new_tokens: int, device, vocab, ceil: dict, counts: dict, dtype) -> dict:
     """Long prompts, batch 1, per variant (stock, fused) and prompt length L:
 
-    - `prefill_ms`: a `generate` of one new token (the prompt's forward, the LM head, generate's set-up), after one
-      untimed call at L; `prefill_peak_bytes`: what that call allocated on top of the resident models (GPU);
-    - `decode_ms_per_token` at context L: (time of `new_tokens` tokens - time of 1) / (`new_tokens` - 1);
+    - `first_call_s`: the first `generate` of `new_tokens` tokens at L (the decode cache bucket's first use, the
+      eager prompt past the buckets, kernels first seen at this length) and `first_call_extra_s`, what it took beyond
+      the timed repeat of the same call: the stall a user sees at a new context length;
+    - `prefill_ms`: then a `generate` of one new token (the prompt's forward, the LM head, generate's set-up);
+      `prefill_peak_bytes`: what that call allocated on top of the resident models (GPU);
+    - `decode_ms_per_token` at context L: (time of `new_tokens` tokens - time of 1) / (`new_tokens` - 1), both timed
+      after the first call, so no first-use cost lands in the decode figure;
     - floors (GPU): prefill = (2 x body parameters x L + the causal attention FLOPs) / measured GEMM rate; decode =
       (weights + K/V at L + DeltaNet states) bytes / measured copy bandwidth.
 
@@ -468,7 +472,9 @@ def long_context(models: dict, lengths, new_tokens: int, device, vocab, ceil: di
                 generate_tokens(model, ids, n, device)
 
             try:
-                run(1)  # untimed: this length's first call (the decode cache bucket, eager prompt past the buckets)
+                t_first = time.perf_counter()
+                run(new_tokens)  # this length's first call, timed apart (see the docstring)
+                t_first = time.perf_counter() - t_first
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
                     base = torch.cuda.memory_allocated(device)
@@ -484,9 +490,11 @@ def long_context(models: dict, lengths, new_tokens: int, device, vocab, ceil: di
                 torch.cuda.empty_cache()
                 continue
             per_token = ((t2 - t1) - (t1 - t0)) / (new_tokens - 1) * 1e3
-            row[name] = {"prefill_ms": (t1 - t0) * 1e3, "decode_ms_per_token": per_token, "prefill_peak_bytes": peak}
+            row[name] = {"prefill_ms": (t1 - t0) * 1e3, "decode_ms_per_token": per_token, "prefill_peak_bytes": peak,
+                         "first_call_s": t_first, "first_call_extra_s": t_first - (t2 - t1)}
             log(f"long context L={L} {name}: prefill {(t1 - t0) * 1e3:.1f} ms, decode {per_token:.3f} ms/token"
-                + (f", prefill peak +{peak / 2**30:.2f} GiB" if peak is not None else ""))
+                + (f", prefill peak +{peak / 2**30:.2f} GiB" if peak is not None else "")
+                + f", first call {t_first:.2f} s ({t_first - (t2 - t1):+.2f} s on the repeat)")
         out[str(L)] = row
     return out
 
@@ -744,10 +752,11 @@ def _stall_markdown(results: dict) -> list[str]:
     rows = [(n, L, d) for n, r in results["models"].items() for L, d in r.get("long_context", {}).items()]
     if rows:
         lines += ["", "Long prompts, batch 1 (prefill: a 1-token generate; peak: allocated on top of the resident "
-                  "models; decode at that context):", "",
+                  "models; decode at that context; all timed after a first call at that length, whose extra time is "
+                  "the stall column):", "",
                   "| model | prompt | stock prefill ms | fused prefill ms | prefill floor ms | fused / floor | "
                   "peak GiB stock / fused | stock decode ms/token | fused decode ms/token | decode floor ms | "
-                  "fused / floor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "fused / floor | first-call stall s stock / fused |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         cell = lambda d, k, f="{:.1f}": "OOM" if "oom" in d else f.format(d[k])  # noqa: E731
         for name, L, d in rows:
             st, f, floor = d["stock"], d["fused"], d.get("floor")
@@ -759,7 +768,8 @@ def _stall_markdown(results: dict) -> list[str]:
                          f"{gib(st)} / {gib(f)} | {cell(st, 'decode_ms_per_token', '{:.3f}')} | "
                          f"{cell(f, 'decode_ms_per_token', '{:.3f}')} | "
                          + (f"{floor['decode_ms']:.3f}" if floor else "-")
-                         + f" | {ratio('decode_ms_per_token', 'decode_ms')} |")
+                         + f" | {ratio('decode_ms_per_token', 'decode_ms')} | "
+                         f"{cell(st, 'first_call_extra_s', '{:.2f}')} / {cell(f, 'first_call_extra_s', '{:.2f}')} |")
     return lines
 
 

@@ -2,7 +2,7 @@
 classes passes with the fused ones, except the cases in BY_DESIGN.
 
 The upstream tests live beside the repo, in `<repo>/../shared/upstream-tests` (see its README; they are not copied
-into the repo); the test skips where that folder is absent. The upstream test file runs twice, in two parallel
+into the repo), or where QWEN3_5_UPSTREAM_TESTS points; the test skips, saying so, where that folder is absent. The upstream test file runs twice, in two parallel
 subprocesses with the same options: as it is (stock), and with `-p fused_substitute` (the fused classes in place of
 the stock ones, see that module). Outcomes are read per test from each run's JUnit XML. When the session will run
 this test, `tests/conftest.py` starts both runs as soon as collection ends (`start_runs`), so they overlap with the
@@ -31,7 +31,9 @@ import transformers
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-UPSTREAM = REPO.parent / "shared" / "upstream-tests"
+# The GPU machine gets the repo alone (not the shared folder beside it): there, QWEN3_5_UPSTREAM_TESTS names a copy
+# that travels with the repo (see the README's "Tests" section).
+UPSTREAM = Path(os.environ.get("QWEN3_5_UPSTREAM_TESTS") or REPO.parent / "shared" / "upstream-tests").resolve()
 TEST_FILE = "tests/models/qwen3_5/test_modeling_qwen3_5.py"
 # One run takes ~2 min on CI's 2 cores (~4 min for the two side by side); the limit, from a run's start, is for a
 # hung run.
