@@ -17,9 +17,10 @@ its error, and the run goes on.
 Floors, from ceilings measured in the same run (`benchmark_latency.measure_ceilings`): decode at batch B = bytes a
 step must read / copy rate, where the bytes are every weight outside the routed experts and the embedding table (one
 row of it is read), the LM head, and per MoE layer the experts the B tokens pick (their union, counted from the router
-on B random tokens; k per layer at B = 1); prefill = (2 x active parameters x T + the LM head once + the causal
-attention FLOPs) / bf16 GEMM rate, the active parameters being the same weights with k experts per token (the
-DeltaNet rule's FLOPs, linear in T, are left out). Writes `moe_model.json` / `.md` to --out.
+on B random tokens; k per layer at B = 1); prefill = the larger of (2 x active parameters x T + the LM head once +
+the causal attention FLOPs) / bf16 GEMM rate, the active parameters being the same weights with k experts per token
+(the DeltaNet rule's FLOPs, linear in T, are left out), and the bytes of the weights its T tokens pick (at T=2048
+nearly every expert) / copy rate. Writes `moe_model.json` / `.md` to --out.
 """
 
 import argparse
@@ -162,8 +163,12 @@ def table(results: dict) -> str:
                 f"{fused['decode_ms'][b] / floors['decode_ms'][b]:.2f}x" if isinstance(fused["decode_ms"].get(b), float)
                 else "-" for b in batches) + (f" | {fused['prefill_ms'] / floors['prefill_ms']:.2f}x |"
                                               if isinstance(fused.get("prefill_ms"), float) else " | - |"))
+    if floors:
+        lines += ["", f"Prefill floor: the larger of the active-FLOP floor ({floors['prefill_matmul_ms']:.2f} ms) and "
+                  f"the read of the weights its tokens pick ({floors['prefill_read_ms']:.2f} ms)."]
     lines += ["", "Experts hit per MoE layer (mean): " + ", ".join(f"batch {b}: {results['experts_hit'][b]:.1f}"
-                                                                  for b in batches)]
+                                                                  for b in batches)
+              + f", prefill of {meta['prefill']} tokens: {results['experts_hit']['prefill']:.1f}"]
     return "\n".join(lines) + "\n"
 
 
@@ -195,6 +200,7 @@ def main(argv=None) -> dict:
                         "command": "python scripts/benchmark_moe_model.py " + " ".join(
                             argv if argv is not None else sys.argv[1:])},
                "experts_hit": {str(b): experts_hit(model, b, device) for b in batches}, "variants": {}}
+    results["experts_hit"]["prefill"] = experts_hit(model, args.prefill, device)
     sizes, cfg = weight_bytes(model), model.config
     elem = model.lm_head.weight.element_size()
     experts_per_token = cfg.num_experts_per_tok * sizes["expert"] * cfg.num_hidden_layers
@@ -204,9 +210,14 @@ def main(argv=None) -> dict:
         "decode_ms": {str(b): (sizes["body"] + sizes["head"] + results["experts_hit"][str(b)] * sizes["expert"]
                                * cfg.num_hidden_layers) / ceil["copy_bytes_per_s"] * 1e3 for b in batches},
         # each prompt token: the body and its k experts; the head for the last token only (logits_to_keep=1)
-        "prefill_ms": (2 * (sizes["body"] + experts_per_token) / elem * args.prefill + 2 * sizes["head"] / elem
-                       + attention_flops(cfg, args.prefill)) / ceil["bf16_flops_per_s"] * 1e3,
+        "prefill_matmul_ms": (2 * (sizes["body"] + experts_per_token) / elem * args.prefill + 2 * sizes["head"] / elem
+                              + attention_flops(cfg, args.prefill)) / ceil["bf16_flops_per_s"] * 1e3,
+        # ... and reads the body, the head and every expert its tokens pick (at T=2048 nearly all of them)
+        "prefill_read_ms": (sizes["body"] + sizes["head"] + results["experts_hit"]["prefill"] * sizes["expert"]
+                            * cfg.num_hidden_layers) / ceil["copy_bytes_per_s"] * 1e3,
     } if ceil else {}
+    if ceil:  # the prefill floor: the larger of the two
+        results["floors"]["prefill_ms"] = max(results["floors"]["prefill_matmul_ms"], results["floors"]["prefill_read_ms"])
     for name in variants:
         set_variant(model, name)
         row = {"decode_ms": {}}

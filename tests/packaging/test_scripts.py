@@ -143,6 +143,11 @@ def test_benchmark_moe_model_runs_on_cpu(tmp_path):
     assert hit["1"] == 2 and 2 < hit["3"] <= 6  # top-2 of 8: one token picks 2; three pick more (a random router)
     assert results["weights"]["expert"] == 3 * 32 * 64 * 4
     assert "| stock-eager |" in (tmp_path / "moe_model.md").read_text()
+    assert 6 <= hit["prefill"] <= 8  # 8 tokens, top-2 of 8 experts each
+    # the table with a GPU's floors: the prefill floor is the larger of its FLOP and read floors
+    floors = {"decode_ms": {"1": 1.0, "3": 2.0}, "prefill_matmul_ms": 3.0, "prefill_read_ms": 4.0, "prefill_ms": 4.0}
+    md = benchmark_moe_model.table(dict(results, floors=floors))
+    assert "| floor | 1.000 | 2.000 | 4.00 |" in md and "(3.00 ms)" in md and "(4.00 ms)" in md
 
 
 def _children_in_process(monkeypatch, capsys):
