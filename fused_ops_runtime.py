@@ -40,13 +40,15 @@ except Exception:  # pragma: no cover - depends on the environment
 
 
 def kernels_available() -> str | None:
-    """None when the fused kernels can run here, else the reason they cannot (for the model's one log line)."""
+    """None when the fused kernels can run here, else the reason they cannot (for the model's one log line). The
+    missing GPU comes first: on a CPU-only machine (the README's CPU setup has no fla) installing a package would not
+    help, and the line should not suggest it."""
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
     if not HAS_TRITON:
         return "triton is not installed"
     if not HAS_FLA:
         return "flash-linear-attention (fla) is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA device is available"
     return None
 
 

@@ -304,15 +304,27 @@ def make_hub_snapshot(src_dir, cache_dir, repo_id: str, files=None) -> str:
     return str(snap)
 
 
-def offline_env(cache_dir, modules_dir) -> dict:
-    """Environment for a subprocess that may only read the given Hub cache (no network)."""
-    import os
+def hidden_modules_env(env: dict, shim_dir, hide) -> dict:
+    """`env` with a `sitecustomize` on PYTHONPATH (ahead of what was there) that makes the modules in `hide`
+    unimportable in the subprocess, as on a machine without them."""
+    shim_dir = Path(shim_dir)
+    shim_dir.mkdir(parents=True, exist_ok=True)
+    (shim_dir / "sitecustomize.py").write_text(f"import sys\nfor m in {tuple(hide)!r}:\n    sys.modules[m] = None\n")
+    env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join([str(shim_dir)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
 
+
+def offline_env(cache_dir, modules_dir, hide=("fla",)) -> dict:
+    """Environment for a subprocess that may only read the given Hub cache (no network), on a CPU user's install:
+    the modules in `hide` are unimportable there. By default fla: the README's CPU setup (requirements.txt) has none,
+    the fused classes' routing around an installed fla is tested in the main process, and not importing it saves
+    ~5 s a process."""
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_CACHE=str(cache_dir),
                HF_HOME=str(cache_dir), HF_MODULES_CACHE=str(modules_dir), HF_HUB_DISABLE_TELEMETRY="1")
     env.pop("HF_TOKEN", None)
-    return env
+    return hidden_modules_env(env, Path(modules_dir).parent / "hidden-modules", hide) if hide else env
 
 
 # --------------------------------------------------------------------------------------------------------------------

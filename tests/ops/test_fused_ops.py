@@ -470,7 +470,12 @@ import torch
 from scripts.common import import_module
 fused_ops = import_module("fused_ops")  # the facade imports every fused_ops_* module
 assert fused_ops.HAS_TRITON is False and fused_ops.HAS_FLA is False
+available = torch.cuda.is_available
+torch.cuda.is_available = lambda: False
+assert fused_ops.kernels_available() == "no CUDA device is available"  # first: no package would help
+torch.cuda.is_available = lambda: True  # a GPU machine without triton
 assert fused_ops.kernels_available() == "triton is not installed"
+torch.cuda.is_available = available
 x = torch.randn(2, 8)
 fused_ops.rms_norm_ref(x, torch.zeros(8), 1e-6)
 try:

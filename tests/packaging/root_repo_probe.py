@@ -5,7 +5,7 @@ root_repo_probe.py REPO_OR_PATH AUTO_CLASS[,AUTO_CLASS...] [WINDOWS]
 One RESULT line per Auto class, in order (one process for all: a fresh interpreter costs more than the loads).
 
 WINDOWS (optional): score only the first WINDOWS held-out windows (a quicker check that both load the same model;
-the recorded NLL is over all of them)."""
+the recorded NLL is over all of them); `FUSED,STOCK` gives each load its own, `all` meaning every window."""
 
 import importlib.util
 import json
@@ -21,12 +21,19 @@ tiny = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tiny)
 
 target, auto_names = sys.argv[1], sys.argv[2].split(",")
-windows = int(sys.argv[3]) if len(sys.argv) > 3 else None
+spec = (sys.argv[3] if len(sys.argv) > 3 else "all").split(",")
+windows = dict(zip((True, False), spec * 2 if len(spec) == 1 else spec))  # trust_remote_code -> "all" or a count
 tokenizer = transformers.AutoTokenizer.from_pretrained(target)
-text = (REPO / "data" / "heldout.txt").read_text()
-if windows is not None:  # the windows are cut from the token stream: keep the text of the first `windows`
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: windows * 256]
-    text = tokenizer.decode(ids)
+full = (REPO / "data" / "heldout.txt").read_text()
+
+
+def heldout_text(n: str) -> str:
+    if n == "all":
+        return full
+    # the windows are cut from the token stream: keep the text of the first n
+    return tokenizer.decode(tokenizer(full, add_special_tokens=False)["input_ids"][: int(n) * 256])
+
+
 torch.set_num_threads(1)
 for auto_name in auto_names:
     auto = getattr(transformers, auto_name)
@@ -36,7 +43,8 @@ for auto_name in auto_names:
                                            output_loading_info=True)
         model.eval()
         with tiny.torch_linear_attention():
-            nll = tiny.heldout_nll(model, tokenizer, text) if auto_name == "AutoModelForCausalLM" else None
+            nll = (tiny.heldout_nll(model, tokenizer, heldout_text(windows[trust]))
+                   if auto_name == "AutoModelForCausalLM" else None)
         result[str(trust)] = {"class": type(model).__name__, "module": type(model).__module__,
                               "missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"]),
                               "nll": nll, "fused_kernels": getattr(model.config, "fused_kernels", None)}
