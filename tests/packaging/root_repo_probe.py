@@ -21,8 +21,8 @@ tiny = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tiny)
 
 target, auto_names = sys.argv[1], sys.argv[2].split(",")
-spec = (sys.argv[3] if len(sys.argv) > 3 else "all").split(",")
-windows = dict(zip((True, False), spec * 2 if len(spec) == 1 else spec))  # trust_remote_code -> "all" or a count
+window_spec = (sys.argv[3] if len(sys.argv) > 3 else "all").split(",")
+windows = dict(zip((True, False), window_spec * 2 if len(window_spec) == 1 else window_spec))  # trust_remote_code -> "all" or a count
 tokenizer = transformers.AutoTokenizer.from_pretrained(target)
 full = (REPO / "data" / "heldout.txt").read_text()
 
