@@ -22,7 +22,8 @@ spec.loader.exec_module(tiny)
 
 target, auto_names = sys.argv[1], sys.argv[2].split(",")
 window_spec = (sys.argv[3] if len(sys.argv) > 3 else "all").split(",")
-windows = dict(zip((True, False), window_spec * 2 if len(window_spec) == 1 else window_spec))  # trust_remote_code -> "all" or a count
+# trust_remote_code -> "all" or a count of windows
+windows = dict(zip((True, False), window_spec * 2 if len(window_spec) == 1 else window_spec))
 tokenizer = transformers.AutoTokenizer.from_pretrained(target)
 full = (REPO / "data" / "heldout.txt").read_text()
 
