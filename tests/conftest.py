@@ -5,8 +5,9 @@
 - Tests of our kernels on CPU tensors carry `helpers.needs_interpreter`: skipped where a GPU is visible.
 - Without a GPU, Triton kernels run under the interpreter (`TRITON_INTERPRET=1`), which must be set before
   `triton.jit` decorates anything, so it is set here, before any test module imports `fused_ops`.
-- transformers' own tests (tests/upstream) run in two subprocesses, started when collection ends so that they
-  overlap with the rest of the suite; the test waits for them, and the session's end stops any still running.
+- transformers' own tests (tests/upstream) run in subprocesses, started when collection ends so that they overlap
+  with the rest of the suite; the test waits for them, and the session's end stops any still running. The sm_90
+  compile checks of the kernel test files (`helpers.compile_for_sm90`) start the same way, in one process.
 """
 
 import os
@@ -50,20 +51,32 @@ def pytest_collection_modifyitems(config, items):
 
 _UPSTREAM_TEST = "test_fused_classes_pass_what_stock_passes"
 _started = []  # the upstream test module, once its runs were started
+_stops = []  # what ends the other background work at the session's end
 
 
 def pytest_collection_finish(session):
-    """When the session will run the upstream comparison (tests/upstream), start its two subprocess runs now, so they
-    overlap with the rest of the suite instead of running after it."""
+    """When the session will run the upstream comparison (tests/upstream), start its subprocess runs now
+    (`start_runs`), so they overlap with the rest of the suite instead of running after it; likewise the sm_90
+    compiles of the selected `*_for_sm90` tests (each module's `_SM90_CALLS`), in one background process."""
     if session.config.option.collectonly:
         return
+    sm90 = []
+    for item in session.items:
+        calls = getattr(item.module, "_SM90_CALLS", None) if "sm90" in item.name else None
+        if calls is not None and calls not in sm90 and not item.get_closest_marker("skip"):
+            sm90.append(calls)
+    if sm90:
+        import helpers
+
+        helpers.start_compiles_for_sm90(sm90)
+        _stops.append(helpers.stop_compiles_for_sm90)
     for item in session.items:
         if item.name == _UPSTREAM_TEST and hasattr(item.module, "start_runs"):
             item.module.start_runs()
             _started.append(item.module)
             if not _HAS_CUDA:
-                # three processes on CI's two cores: one torch thread here too (OpenMP threads that wait for a
-                # busy core spin and burn it)
+                # the upstream runs beside this process on CI's two cores: one torch thread here (OpenMP threads
+                # that wait for a busy core spin and burn it)
                 torch.set_num_threads(1)
             return
 
@@ -71,6 +84,8 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session, exitstatus):
     for module in _started:
         module.stop_runs()
+    for stop in _stops:
+        stop()
 
 
 def pytest_report_header(config):

@@ -126,15 +126,72 @@ def compile_(fn, types, constexprs, num_warps):
 """
 
 
+_SM90_GROUP = r"""
+print("GROUP {index}", flush=True)
+try:
+    exec({calls!r})
+except BaseException:
+    import traceback
+    print("GROUP-FAILED", traceback.format_exc().replace("\n", " | "), flush=True)
+"""
+# The one background compile process of this session (`start_compiles_for_sm90`): {"proc", "calls": [source, ...]}
+_SM90_BACKGROUND: dict = {}
+
+
+def _sm90_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's notice; fusion is every version's default
+    return env
+
+
+def start_compiles_for_sm90(calls: list[str]) -> None:
+    """Start, in one background process, the sm_90 compiles of every `calls` source the session's tests will ask
+    `compile_for_sm90` for (tests/conftest.py calls this when collection ends): one interpreter instead of one a
+    test, and the compiles overlap with the rest of the suite instead of stalling it."""
+    import importlib.util
+
+    if _SM90_BACKGROUND or not calls or importlib.util.find_spec("triton.backends.nvidia") is None:
+        return
+    source = _SM90_PRELUDE + "".join(_SM90_GROUP.format(index=i, calls=c) for i, c in enumerate(calls))
+    proc = subprocess.Popen([sys.executable, "-c", source, str(REPO)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_sm90_env())
+    _SM90_BACKGROUND.update(proc=proc, calls=list(calls), out=None)
+
+
+def stop_compiles_for_sm90() -> None:
+    if _SM90_BACKGROUND and _SM90_BACKGROUND["proc"].poll() is None:
+        _SM90_BACKGROUND["proc"].kill()
+        _SM90_BACKGROUND["proc"].wait()
+    _SM90_BACKGROUND.clear()
+
+
+def _background_sm90(calls: str) -> int | None:
+    """How many kernels of `calls` the background process compiled (the test fails on its error); None when that
+    process was not asked for them."""
+    if not _SM90_BACKGROUND or calls not in _SM90_BACKGROUND["calls"]:
+        return None
+    if _SM90_BACKGROUND["out"] is None:
+        out, err = _SM90_BACKGROUND["proc"].communicate(timeout=900)
+        _SM90_BACKGROUND["out"] = (out, err, _SM90_BACKGROUND["proc"].returncode)
+    out, err, code = _SM90_BACKGROUND["out"]
+    assert code == 0, err[-4000:]
+    index = _SM90_BACKGROUND["calls"].index(calls)
+    section = out.split(f"GROUP {index}\n", 1)[1].split("\nGROUP ", 1)[0]
+    assert "GROUP-FAILED" not in section, section[-4000:]
+    return section.count(" ok")
+
+
 def compile_for_sm90(calls: str) -> int:
     """Compile kernels for sm_90 without a GPU (Triton's bundled ptxas), in a subprocess without TRITON_INTERPRET:
     the interpreter runs kernels that the GPU compiler may reject. `calls` is Python source calling
-    `compile_(kernel, arg types, constexprs, num_warps)`; returns how many compiled (the test fails on any error)."""
+    `compile_(kernel, arg types, constexprs, num_warps)`; returns how many compiled (the test fails on any error).
+    Where the session started them in the background (`start_compiles_for_sm90`), this reads that process's result."""
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's notice; fusion is every version's default
+    done = _background_sm90(calls)
+    if done is not None:
+        return done
     proc = subprocess.run([sys.executable, "-c", _SM90_PRELUDE + calls, str(REPO)], capture_output=True, text=True,
-                          timeout=300, env=env)
+                          timeout=300, env=_sm90_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout.count(" ok")
 

@@ -2,11 +2,15 @@
 classes passes with the fused ones, except the cases in BY_DESIGN.
 
 The upstream tests live beside the repo, in `<repo>/../shared/upstream-tests` (see its README; they are not copied
-into the repo), or where QWEN3_5_UPSTREAM_TESTS points; the test skips, saying so, where that folder is absent. The upstream test file runs twice, in two parallel
-subprocesses with the same options: as it is (stock), and with `-p fused_substitute` (the fused classes in place of
-the stock ones, see that module). Outcomes are read per test from each run's JUnit XML. When the session will run
-this test, `tests/conftest.py` starts both runs as soon as collection ends (`start_runs`), so they overlap with the
-rest of the suite (which leaves a core idle most of the time); the test waits for them.
+into the repo), or where QWEN3_5_UPSTREAM_TESTS points; the test skips, saying so, where that folder is absent.
+
+The upstream test file runs with `-p fused_substitute` (the fused classes in place of the stock ones, see that
+module) and, with the same options, as it is (stock), only on the tests the fused run did not pass: whether stock
+passes a test the fused classes pass changes nothing, and a full stock run cost as much CPU as the fused one.
+Stock's test ids are collected beside the fused run, so a test missing from the fused run counts as not passed.
+Outcomes are read per test from each run's JUnit XML. When the session will run this test, `tests/conftest.py`
+starts the fused run and the stock collection as soon as collection ends (`start_runs`), so they overlap with the
+rest of the suite; the test waits for them, then runs stock on the tests it selected.
 
 It runs wherever the suite runs: on CPU in CI, and on a GPU machine (`python -m pytest tests/upstream`), where the
 fused kernels run and stock itself fails some tests (training with fla, ...): the comparison is always against
@@ -69,8 +73,10 @@ def _stage(root: Path) -> Path:
     return stage
 
 
-def _start(stage: Path, out: Path, plugins: list[str]) -> dict:
-    """Start the upstream Qwen3.5 test file with `plugins` in a subprocess, its output to a file beside `out`."""
+def _start(stage: Path, out: Path, plugins: list[str], select: list[str] | None = None,
+           collect_only: bool = False) -> dict:
+    """Start the upstream Qwen3.5 test file with `plugins` in a subprocess, its output to a file beside `out`: every
+    test, the tests in `select` (ids `Class::test_name[param]`), or (`collect_only`) only their ids."""
     junit, report, log = out.with_suffix(".xml"), out.with_suffix(".json"), out.with_suffix(".log")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTEST_ADDOPTS")}
     # TRITON_INTERPRET is set by the repo's conftest for our kernel tests; the upstream tests run as a user would.
@@ -80,7 +86,8 @@ def _start(stage: Path, out: Path, plugins: list[str]) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "_peer_compat"]
     for plugin in plugins:
         cmd += ["-p", plugin]
-    cmd += ["-q", "-rN", "--tb=line", f"--junitxml={junit}", TEST_FILE]
+    cmd += ["-q", "-rN", "--tb=line"] + (["--collect-only"] if collect_only else [f"--junitxml={junit}"])
+    cmd += [f"{TEST_FILE}::{test_id}" for test_id in select] if select is not None else [TEST_FILE]
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, cwd=stage, env=env, stdout=sink, stderr=subprocess.STDOUT)
     return {"proc": proc, "junit": junit, "report": report, "log": log, "started": time.monotonic()}
@@ -116,19 +123,23 @@ def skip_reason() -> str | None:
 
 
 def start_runs() -> None:
-    """Start the stock and the fused run in the background, once per session (nothing where they cannot run)."""
+    """Start, in the background, once per session (nothing where they cannot run): the fused run of every test, and
+    the collection of the stock run's test ids. Stock then runs only where the fused classes did not pass (see the
+    test): whether stock passes a test the fused classes pass changes nothing, and stock's full run cost as much CPU
+    as the fused one."""
     if _RUNS or skip_reason():
         return
     root = Path(tempfile.mkdtemp(prefix="qwen35-upstream-"))
     stage = _stage(root)
     common = [] if torch.cuda.is_available() else ["no_fla"]
-    _RUNS.update(dir=root, stock=_start(stage, root / "stock", common),
+    _RUNS.update(dir=root, stage=stage, common=common,
+                 stock_ids=_start(stage, root / "stock-ids", common, collect_only=True),
                  fused=_start(stage, root / "fused", common + ["fused_substitute"]))
 
 
 def stop_runs() -> None:
     """End of session: stop runs still going (their test was not reached) and remove their folder."""
-    for key in ("stock", "fused"):
+    for key in ("stock_ids", "stock", "fused"):
         if key in _RUNS and _RUNS[key]["proc"].poll() is None:
             _RUNS[key]["proc"].kill()
             _RUNS[key]["proc"].wait()
@@ -163,16 +174,27 @@ def test_fused_classes_pass_what_stock_passes():
     if reason:
         pytest.skip(reason)
     start_runs()  # already running when conftest started them at the end of collection
-    stock, fused = _finish(_RUNS["stock"]), _finish(_RUNS["fused"])
-
-    for name, run in (("stock", stock), ("fused", fused)):
+    fused, collected = _finish(_RUNS["fused"]), _finish(_RUNS["stock_ids"])
+    for name, run in (("fused", fused), ("stock collection", collected)):
         assert not run["timed_out"], f"the {name} run took over {RUN_TIMEOUT_S} s; its output ends:\n{run['tail']}"
     assert fused["substitutions"], f"fused_substitute did not run; the fused run's output ends:\n{fused['tail']}"
+    prefix = TEST_FILE + "::"
+    stock_ids = [line[len(prefix):] for line in _RUNS["stock_ids"]["log"].read_text(errors="replace").splitlines()
+                 if line.startswith(prefix)]
+    # stock runs every test it has that the fused classes did not pass (failed, skipped, or missing from their run)
+    select = [t for t in stock_ids if fused["outcomes"].get(t, ("missing",))[0] != "passed"]
+    if select:
+        _RUNS["stock"] = _start(_RUNS["stage"], _RUNS["dir"] / "stock", _RUNS["common"], select=select)
+        stock = _finish(_RUNS["stock"])
+        assert not stock["timed_out"], f"the stock run took over {RUN_TIMEOUT_S} s; its output ends:\n{stock['tail']}"
+    else:
+        stock = {"outcomes": {}, "tail": ""}
+    if not stock_ids:
+        tail = collected["tail"]
+        errors = [line for line in tail.splitlines() if line.startswith("E ")] or tail.splitlines()
+        pytest.skip(f"stock transformers {transformers.__version__} collects no upstream test here (the comparison "
+                    f"holds: nothing to keep passing); its collection: {' '.join(errors[-1:])}")
     stock_passed = sorted(t for t, (outcome, _) in stock["outcomes"].items() if outcome == "passed")
-    if not stock_passed:
-        errors = [line for line in stock["tail"].splitlines() if line.startswith("E ")] or stock["tail"].splitlines()
-        pytest.skip(f"no upstream test passes with stock transformers {transformers.__version__} here (the "
-                    f"comparison holds: nothing to keep passing); the stock run: {' '.join(errors[-1:])}")
 
     regressions = []
     for test_id in stock_passed:
@@ -185,9 +207,11 @@ def test_fused_classes_pass_what_stock_passes():
                        and _by_design(t) is not None)
     # Shown with `-s` (the device run keeps it for the closing note); pytest captures it otherwise.
     print(f"\nupstream Qwen3.5 tests, transformers {transformers.__version__}, "
-          f"{'cuda' if torch.cuda.is_available() else 'cpu'}: stock {counts['stock']}, fused {counts['fused']}; "
+          f"{'cuda' if torch.cuda.is_available() else 'cpu'}: {len(stock_ids)} tests; fused {counts['fused']}; "
+          f"stock on the {len(select)} the fused classes did not pass: {counts['stock']}; "
           f"stock-pass / fused-not-pass: {len(regressions)} regressions, {len(by_design)} by design")
     assert not regressions, (
         f"{len(regressions)} upstream tests pass with stock but not with the fused classes "
-        f"(stock {counts['stock']}, fused {counts['fused']}):\n" + "\n".join(regressions)
+        f"(fused {counts['fused']}; stock on the {len(select)} tests fused did not pass: {counts['stock']}):\n"
+        + "\n".join(regressions)
     )
