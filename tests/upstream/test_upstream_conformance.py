@@ -9,8 +9,8 @@ module) and, with the same options, as it is (stock), only on the tests the fuse
 passes a test the fused classes pass changes nothing, and a full stock run cost as much CPU as the fused one.
 Stock's test ids are collected beside the fused run, so a test missing from the fused run counts as not passed.
 Outcomes are read per test from each run's JUnit XML. When the session will run this test, `tests/conftest.py`
-starts the fused run and the stock collection as soon as collection ends (`start_runs`), so they overlap with the
-rest of the suite; the test waits for them, then runs stock on the tests it selected.
+starts the fused run and the stock collection as soon as collection ends (`start_runs`), and a thread starts the
+stock run when they end, so all of it overlaps with the rest of the suite; the test waits for them.
 
 It runs wherever the suite runs: on CPU in CI, and on a GPU machine (`python -m pytest tests/upstream`), where the
 fused kernels run and stock itself fails some tests (training with fla, ...): the comparison is always against
@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -109,8 +110,10 @@ def _finish(run: dict) -> dict:
     return {"outcomes": outcomes, "tail": tail, "timed_out": timed_out, "substitutions": substitutions}
 
 
-# The two runs of this session, once started: {"dir": their folder, "stock": ..., "fused": ...} (see start_runs).
+# The runs of this session, once started: {"dir": their folder, "fused": ..., "stock_ids": ..., "stock": ...,
+# "chain": the thread that starts stock, and what it found} (see start_runs).
 _RUNS: dict = {}
+_LOCK = threading.Lock()
 
 
 def skip_reason() -> str | None:
@@ -135,14 +138,42 @@ def start_runs() -> None:
     _RUNS.update(dir=root, stage=stage, common=common,
                  stock_ids=_start(stage, root / "stock-ids", common, collect_only=True),
                  fused=_start(stage, root / "fused", common + ["fused_substitute"]))
+    # the stock run starts as soon as the fused run ends, not when the test is reached
+    _RUNS["chain"] = threading.Thread(target=_start_stock_after_fused, daemon=True)
+    _RUNS["chain"].start()
+
+
+def _start_stock_after_fused() -> None:
+    """Wait for the fused run and the stock collection; start stock on every test it has that the fused classes did
+    not pass (failed, skipped, or missing from their run). Results go into `_RUNS` (an error too, for the test)."""
+    try:
+        _select_and_start_stock()
+    except Exception as e:  # pragma: no cover - reported by the test
+        _RUNS["chain_error"] = f"{type(e).__name__}: {e}"
+
+
+def _select_and_start_stock() -> None:
+    fused, collected = _finish(_RUNS["fused"]), _finish(_RUNS["stock_ids"])
+    prefix = TEST_FILE + "::"
+    stock_ids = [line[len(prefix):] for line in _RUNS["stock_ids"]["log"].read_text(errors="replace").splitlines()
+                 if line.startswith(prefix)]
+    select = [t for t in stock_ids if fused["outcomes"].get(t, ("missing",))[0] != "passed"]
+    with _LOCK:
+        _RUNS.update(fused_result=fused, collected=collected, ids=stock_ids, select=select)
+        if select and not _RUNS.get("stopped"):
+            _RUNS["stock"] = _start(_RUNS["stage"], _RUNS["dir"] / "stock", _RUNS["common"], select=select)
 
 
 def stop_runs() -> None:
     """End of session: stop runs still going (their test was not reached) and remove their folder."""
-    for key in ("stock_ids", "stock", "fused"):
+    with _LOCK:
+        _RUNS["stopped"] = True  # the chain thread starts nothing more
+    for key in ("stock_ids", "fused", "stock"):
         if key in _RUNS and _RUNS[key]["proc"].poll() is None:
             _RUNS[key]["proc"].kill()
             _RUNS[key]["proc"].wait()
+        if key == "fused" and "chain" in _RUNS:
+            _RUNS["chain"].join(timeout=60)  # returns once the runs it waits for are gone
     if "dir" in _RUNS:
         shutil.rmtree(_RUNS["dir"], ignore_errors=True)
     _RUNS.clear()
@@ -174,17 +205,14 @@ def test_fused_classes_pass_what_stock_passes():
     if reason:
         pytest.skip(reason)
     start_runs()  # already running when conftest started them at the end of collection
-    fused, collected = _finish(_RUNS["fused"]), _finish(_RUNS["stock_ids"])
+    _RUNS["chain"].join()  # each run it waits for is bounded by RUN_TIMEOUT_S
+    assert "chain_error" not in _RUNS, f"choosing the stock run's tests failed: {_RUNS['chain_error']}"
+    fused, collected = _RUNS["fused_result"], _RUNS["collected"]
+    stock_ids, select = _RUNS["ids"], _RUNS["select"]
     for name, run in (("fused", fused), ("stock collection", collected)):
         assert not run["timed_out"], f"the {name} run took over {RUN_TIMEOUT_S} s; its output ends:\n{run['tail']}"
     assert fused["substitutions"], f"fused_substitute did not run; the fused run's output ends:\n{fused['tail']}"
-    prefix = TEST_FILE + "::"
-    stock_ids = [line[len(prefix):] for line in _RUNS["stock_ids"]["log"].read_text(errors="replace").splitlines()
-                 if line.startswith(prefix)]
-    # stock runs every test it has that the fused classes did not pass (failed, skipped, or missing from their run)
-    select = [t for t in stock_ids if fused["outcomes"].get(t, ("missing",))[0] != "passed"]
     if select:
-        _RUNS["stock"] = _start(_RUNS["stage"], _RUNS["dir"] / "stock", _RUNS["common"], select=select)
         stock = _finish(_RUNS["stock"])
         assert not stock["timed_out"], f"the stock run took over {RUN_TIMEOUT_S} s; its output ends:\n{stock['tail']}"
     else:
