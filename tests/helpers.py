@@ -208,8 +208,6 @@ _STARTED: dict = {}  # test name -> {"proc", "cmd", "kw"}
 def start_early(name: str, cmd: list, **kw) -> None:
     kw = dict(kw)
     kw.pop("timeout", None)
-    # beside the rest of the suite on CI's two cores: one OpenMP thread (threads waiting for a busy core spin)
-    kw["env"] = {**(kw.get("env") or os.environ), "OMP_NUM_THREADS": "1"}
     _STARTED[name] = {"proc": subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw),
                       "cmd": cmd}
 
