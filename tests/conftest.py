@@ -7,8 +7,7 @@
   `triton.jit` decorates anything, so it is set here, before any test module imports `fused_ops`.
 - transformers' own tests (tests/upstream) run in subprocesses, started when collection ends so that they overlap
   with the rest of the suite; the test waits for them, and the session's end stops any still running. The sm_90
-  compile checks of the kernel test files (`helpers.compile_for_sm90`) start the same way, in one process, and so
-  does each test whose work is one subprocess and which names a `start_<test name>` (`helpers.start_early`).
+  compile checks of the kernel test files (`helpers.compile_for_sm90`) start the same way, in one process.
 """
 
 import os
@@ -66,18 +65,11 @@ def pytest_collection_finish(session):
         calls = getattr(item.module, "_SM90_CALLS", None) if "sm90" in item.name else None
         if calls is not None and calls not in sm90 and not item.get_closest_marker("skip"):
             sm90.append(calls)
-    import helpers
-
     if sm90:
+        import helpers
+
         helpers.start_compiles_for_sm90(sm90)
         _stops.append(helpers.stop_compiles_for_sm90)
-    for item in session.items:  # tests that are one subprocess: started now (see helpers.start_early)
-        start = getattr(item.module, f"start_{item.name}", None)
-        if start is not None and not item.get_closest_marker("skip") and not any(
-                m.args and m.args[0] for m in item.iter_markers("skipif")):
-            cmd, kw = start()
-            helpers.start_early(item.name, cmd, **kw)
-    _stops.append(helpers.stop_started)
     for item in session.items:
         if item.name == _UPSTREAM_TEST and hasattr(item.module, "start_runs"):
             item.module.start_runs()

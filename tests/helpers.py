@@ -196,40 +196,6 @@ def compile_for_sm90(calls: str) -> int:
     return proc.stdout.count(" ok")
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Subprocess tests started early: a test whose work is one subprocess names a module-level `start_<test name>()` that
-# returns that subprocess's (command, keyword arguments of subprocess.run); tests/conftest.py starts it when
-# collection ends, so it runs beside the rest of the suite, and the test reads its result with `run_started`.
-# --------------------------------------------------------------------------------------------------------------------
-
-_STARTED: dict = {}  # test name -> {"proc", "cmd", "kw"}
-
-
-def start_early(name: str, cmd: list, **kw) -> None:
-    kw = dict(kw)
-    kw.pop("timeout", None)
-    _STARTED[name] = {"proc": subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw),
-                      "cmd": cmd}
-
-
-def run_started(name: str, cmd: list, timeout: float = 900, **kw) -> subprocess.CompletedProcess:
-    """The result of `cmd` (as `subprocess.run(cmd, capture_output=True, text=True, **kw)` gives it): from the
-    process conftest started early under `name` where it did, else run now."""
-    started = _STARTED.pop(name, None)
-    if started is None or started["cmd"] != cmd:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
-    out, err = started["proc"].communicate(timeout=timeout)
-    return subprocess.CompletedProcess(cmd, started["proc"].returncode, out, err)
-
-
-def stop_started() -> None:
-    for started in _STARTED.values():
-        if started["proc"].poll() is None:
-            started["proc"].kill()
-            started["proc"].wait()
-    _STARTED.clear()
-
-
 def stock_text_config(**overrides):
     from transformers import Qwen3_5TextConfig
 
@@ -400,9 +366,7 @@ def hidden_modules_env(env: dict, shim_dir, hide) -> dict:
     unimportable in the subprocess, as on a machine without them."""
     shim_dir = Path(shim_dir)
     shim_dir.mkdir(parents=True, exist_ok=True)
-    shim, text = shim_dir / "sitecustomize.py", f"import sys\nfor m in {tuple(hide)!r}:\n    sys.modules[m] = None\n"
-    if not shim.is_file() or shim.read_text() != text:  # never rewritten under a process that may be reading it
-        shim.write_text(text)
+    (shim_dir / "sitecustomize.py").write_text(f"import sys\nfor m in {tuple(hide)!r}:\n    sys.modules[m] = None\n")
     env = dict(env)
     env["PYTHONPATH"] = os.pathsep.join([str(shim_dir)] + [p for p in [env.get("PYTHONPATH")] if p])
     return env

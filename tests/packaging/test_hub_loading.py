@@ -2,18 +2,16 @@
 copy would miss or an import in the remote code that fails where an optional package is absent."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import AUTO_MAP_COMPOSITE, AUTO_MAP_TEXT, CODE_FILES, composite_kwargs, configuration, make_hub_snapshot, modeling, offline_env
-from helpers import AUTO_MAP_MOE_COMPOSITE, AUTO_MAP_MOE_TEXT, moe_composite_kwargs, run_started
+from helpers import AUTO_MAP_MOE_COMPOSITE, AUTO_MAP_MOE_TEXT, moe_composite_kwargs
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("hub_load_probe.py")
@@ -208,46 +206,31 @@ def local_folder(tmp_path_factory):
     return {"AutoModelForCausalLM": lm, "AutoModelForImageTextToText": vlm}
 
 
-def _check_shipped(result):
+@pytest.mark.parametrize("via", ["repo-id", "local-folder"])
+def test_shipped_model_loads_and_reproduces_recorded_nll(tmp_path, request, via):
+    """The repo root is a Hub model repo. By id through the offline cache, with trust_remote_code, the held-out NLL
+    is the one recorded at training time (stock's own full NLL is `test_heldout_nll_matches_report`'s); without it,
+    the first 8 windows score as from a plain local folder. From a local folder (as after `hf download --local-dir`)
+    both load the same model (the NLL of the first 8 windows agrees)."""
+    recorded = json.loads((REPO / "training_report.json").read_text())
+    if via == "repo-id":
+        make_hub_snapshot(REPO, tmp_path / "hub", "test-org/qwen35-fused-tiny", files=ROOT_FILES)
+        (result,) = _root_probe(tmp_path, "test-org/qwen35-fused-tiny", ["AutoModelForCausalLM"], windows="all,8")
+    else:
+        result = request.getfixturevalue("local_folder")["AutoModelForCausalLM"]
     fused, stock = result["True"], result["False"]
     assert fused["class"] == "Qwen3_5FusedForCausalLM" and stock["class"] == "Qwen3_5ForCausalLM"
     for r in (fused, stock):
         assert not r["missing"] and not r["unexpected"], r
-    return fused, stock
-
-
-def start_test_shipped_model_by_repo_id_reproduces_recorded_nll():
-    """The probe of the test below (started early by tests/conftest.py): the repo root as a Hub repo in an offline
-    cache of its own; the snapshot is written once per process."""
-    root = Path(tempfile.gettempdir()) / f"qwen35-repo-id-{os.getpid()}"
-    if not (root / "hub").exists():
-        make_hub_snapshot(REPO, root / "hub", "test-org/qwen35-fused-tiny", files=ROOT_FILES)
-    env = offline_env(root / "hub", root / "modules")
-    return [sys.executable, str(ROOT_PROBE), "test-org/qwen35-fused-tiny", "AutoModelForCausalLM", "all,8"], {"env": env}
-
-
-def test_shipped_model_by_repo_id_reproduces_recorded_nll(local_folder):
-    """The repo root is a Hub model repo. By id through the offline cache, with trust_remote_code, the held-out NLL
-    is the one recorded at training time (stock's own full NLL is `test_heldout_nll_matches_report`'s); without it,
-    the first 8 windows score as from a plain local folder."""
-    cmd, kw = start_test_shipped_model_by_repo_id_reproduces_recorded_nll()
-    proc = run_started("test_shipped_model_by_repo_id_reproduces_recorded_nll", cmd, **kw)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (line,) = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    fused, stock = _check_shipped(json.loads(line[len("RESULT "):]))
-    recorded = json.loads((REPO / "training_report.json").read_text())["heldout"]
-    assert fused["nll"]["windows"] == recorded["windows"]
-    assert abs(fused["nll"]["nll_per_token"] - recorded["nll_per_token"]) <= 1e-4 * recorded["nll_per_token"]
-    # the same files, the same code, one thread: the same numbers
-    assert stock["nll"] == local_folder["AutoModelForCausalLM"]["False"]["nll"]
-
-
-def test_shipped_model_from_local_folder_loads_the_same_model(local_folder):
-    """From a plain local folder (as after `hf download --local-dir`) both load the same model: the NLL of the first
-    8 held-out windows agrees."""
-    fused, stock = _check_shipped(local_folder["AutoModelForCausalLM"])
-    assert fused["nll"]["windows"] == stock["nll"]["windows"] >= 7
-    assert abs(fused["nll"]["nll_per_token"] - stock["nll"]["nll_per_token"]) <= 1e-5 * stock["nll"]["nll_per_token"]
+    if via == "local-folder":
+        assert fused["nll"]["windows"] == stock["nll"]["windows"] >= 7
+        assert abs(fused["nll"]["nll_per_token"] - stock["nll"]["nll_per_token"]) <= 1e-5 * stock["nll"]["nll_per_token"]
+        return
+    want = recorded["heldout"]["nll_per_token"]
+    assert fused["nll"]["windows"] == recorded["heldout"]["windows"]
+    assert abs(fused["nll"]["nll_per_token"] - want) <= 1e-4 * want
+    local = request.getfixturevalue("local_folder")["AutoModelForCausalLM"]["False"]["nll"]
+    assert stock["nll"] == local  # the same files, the same code, one thread: the same numbers
 
 
 def test_shipped_model_loads_as_image_text_to_text_from_local_folder(local_folder):
