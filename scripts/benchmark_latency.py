@@ -18,7 +18,8 @@ of a forward. Optional runs: `--new-shapes` (the first call at a new batch or pr
 (prefill time, its peak memory and decode ms/token at long contexts). On a GPU it
 also measures, in the same run, the two ceilings (device copy bandwidth, bf16 GEMM rate) and reports each time
 against its floor: the weight-read floor for decode (weight bytes / copy bandwidth) and for forwards the larger of
-the matmul floor (2 x parameters x tokens / GEMM rate) and the weight-read floor. Writes `results.json`, `results.md` and `latency.png` to --out.
+the matmul floor (2 x parameters x tokens / GEMM rate) and the weight-read floor. Writes `results.json`,
+`results.md` and `latency.png` to --out.
 """
 
 import argparse
@@ -111,20 +112,11 @@ def measure_ceilings(device: torch.device) -> dict:
 
 def build_pair(shape: str | None, model_id: str | None, device, dtype, seed: int = 0):
     """(stock, fused) models with identical weights. Random weights for `shape`, else loaded from `model_id`."""
-    from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
     configuration, modeling, _ = import_repo()
+    stock = build_one(shape, model_id, device, dtype, fused=False, seed=seed)
     if model_id is not None:
-        stock = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype).to(device).eval()
-        fused = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, trust_remote_code=True,
-                                                     fused_kernels=True).to(device).eval()
-        return stock, fused
+        return stock, build_one(shape, model_id, device, dtype, fused=True)
     kwargs = tiny_text_kwargs() if shape == "tiny" else real_text_kwargs(shape)
-    torch.manual_seed(seed)
-    # Built directly in the target dtype on the target device: 27B in bf16 is 54 GB; built in fp32 first it would
-    # need 108 GB plus the cast's copy, more than one H200 holds.
-    with torch.device(device):
-        stock = Qwen3_5ForCausalLM._from_config(Qwen3_5TextConfig(**kwargs), dtype=dtype).eval()
     # Build the fused model on the meta device and hand it the stock model's tensors (no second copy is
     # allocated and then freed), then pack: packing copies each projection group once into its packed matrix.
     with torch.device("meta"):
@@ -151,6 +143,8 @@ def build_one(shape: str | None, model_id: str | None, device, dtype, fused: boo
     config = (configuration.Qwen3_5FusedTextConfig(**kwargs, fused_kernels=True) if fused
               else Qwen3_5TextConfig(**kwargs))
     torch.manual_seed(seed)
+    # Built directly in the target dtype on the target device: 27B in bf16 is 54 GB; built in fp32 first it would
+    # need 108 GB plus the cast's copy, more than one H200 holds.
     with torch.device(device):
         cls = modeling.Qwen3_5FusedForCausalLM if fused else Qwen3_5ForCausalLM
         return cls._from_config(config, dtype=dtype).eval()
@@ -930,7 +924,7 @@ def main(argv=None):
             matmul_ms = {str(T): 2 * (counts["body"] * T + counts["lm_head"]) / ceil["bf16_flops_per_s"] * 1e3
                          for T in lengths}
             # a forward both multiplies and reads every weight once: its floor is the larger of the two (at 4B the
-            # read wins below ~270 tokens)
+            # read wins below ~220 tokens)
             r["floors"] = {"forward_ms": {T: max(m, read_ms) for T, m in matmul_ms.items()},
                            "forward_matmul_ms": matmul_ms, "decode_ms": read_ms}
         else:

@@ -13,7 +13,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scripts.common import import_module  # noqa: E402
 
 
-
 def stock_cpu_forward(model, ids):
     """Stock Qwen3.5 + fla crashes on CPU tensors; route its DeltaNet helpers to torch for the reference."""
     with import_module("fused_compat").torch_reference_kernels():
@@ -25,7 +24,8 @@ def probe(repo_id: str, auto_name: str) -> dict:
     result = {}
     ids = torch.tensor([[5, 17, 42, 9, 77, 3, 11]])
     for trust in (True, False):
-        model, info = auto.from_pretrained(repo_id, trust_remote_code=trust, output_loading_info=True, dtype=torch.float32)
+        model, info = auto.from_pretrained(repo_id, trust_remote_code=trust, output_loading_info=True,
+                                           dtype=torch.float32)
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=ids).logits if trust else stock_cpu_forward(model, ids)
@@ -38,7 +38,8 @@ def probe(repo_id: str, auto_name: str) -> dict:
             "fused_kernels": getattr(model.config, "fused_kernels", None),
             "logits": logits[0, -1, :16].tolist(),
             # the feed-forward kind: "mlp" (dense) or "moe"
-            "describe": next(v for k, v in model.describe()["layers"].items() if k in ("mlp", "moe")) if trust else None,
+            "describe": (next(v for k, v in model.describe()["layers"].items() if k in ("mlp", "moe"))
+                         if trust else None),
         }
     return result
 
