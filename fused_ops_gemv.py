@@ -13,6 +13,7 @@ Each op: kernel -> wrapper (validates; ValueError names the values) -> torch `na
 """
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -33,6 +34,7 @@ from .fused_ops_runtime import (
     _check_triton,
     _device_guard,
     _pdl_launch,
+    compile_in_parallel,
     pdl_enabled,
     reset_rng_after_failed_capture,
     tl,
@@ -99,10 +101,12 @@ _GEMV_CONFIGS = tuple(GemvConfig(*c) for c in (
     (1, 512, 4, False, 2), (8, 256, 4, False, 2), (4, 2048, 8, False), (2, 2048, 8, False, 2),
 ))
 _GEMV_MAX_M = 16
-# `small_linear` times the GEMV against cuBLAS up to this many rows and takes cuBLAS past it without timing. At 8 rows
-# cuBLAS won every decode shape (the best GEMV 1.1x-3x slower; docs/DESIGN.md), and 5-7 rows run the same 8-row
-# tiles, so timing there only compiled and timed the 14 configs at each new batch size for a choice already known.
-_GEMV_TIMED_MAX_M = 4
+# `small_linear` times the GEMV against cuBLAS up to this many rows and takes cuBLAS past it without timing. cuBLAS
+# won every 4B decode shape at 2 and at 4 rows (all six linears, full sweep in the decode step, H200, 2026-12-02)
+# and every decode shape at 8 rows (the best GEMV 1.1x-3x slower; docs/DESIGN.md), while timing a new row count
+# compiled the 14 configs of each kind of linear first: 9-28 s of the first call at batch 2-4 at 4B, for a choice
+# that came out cuBLAS. One row is where the GEMV wins (5 or 6 of the 6 4B shapes).
+_GEMV_TIMED_MAX_M = 1
 # With PDL a GEMV of at least this many weight elements lets the next kernel launch only after its K loop, not at its
 # start. Launched at the start, the next kernel's programs (and, through its own early signal, the GEMV after it) take
 # SM slots while this GEMV still has waves to run, and sit in their wait holding them. In-process A/B (H200,
@@ -281,23 +285,32 @@ def gemv(
     cfg = GemvConfig(*(config or _GEMV_CONFIGS[0]))
     if cfg.unroll < 1:
         raise ValueError(f"gemv's unroll must be 1 or more, got {cfg.unroll}.")
-    BLOCK_N, BLOCK_K, num_warps = cfg.block_n, cfg.block_k, cfg.warps
-    BLOCK_K = min(BLOCK_K, triton.next_power_of_2(K))
-    BLOCK_M = triton.next_power_of_2(M)
-    row_acc = _gemv_row_acc(cfg, BLOCK_M, BLOCK_K, gate_up)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     with _device_guard(x):
-        pdl = pdl_enabled(x.device)
-        _gemv_kernel[(triton.cdiv(N, BLOCK_N),)](
-            x, w, y, state, conv_w, conv_b if conv_b is not None else conv_w, M, N, K, C, x.stride(0), y.stride(0),
-            *(state.stride() if conv is not None else (0, 0, 0)), conv_w.stride(0),
-            SWIGLU=gate_up, CONV=conv is not None, CONV_W=W, CONV_BIAS=conv_b is not None,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, BLOCK_W=triton.next_power_of_2(W),
-            ROW_ACC=row_acc, UNROLL=cfg.unroll, num_warps=num_warps,
-            PDL=pdl, LATE_TRIGGER=_gemv_late_trigger(w, pdl),
-            **_pdl_launch(pdl),
-        )
+        _gemv_launch(x, w, y, gate_up, cfg, conv)
     return y
+
+
+def _gemv_launch(x, w, y, gate_up: bool, cfg: GemvConfig, conv: ConvStep | None, warmup: bool = False):
+    """Launch `_gemv_kernel` for `gemv`'s (validated) arguments; with `warmup`, only compile it (Triton's warm-up
+    launch: nothing runs). The current device must be x's."""
+    (M, K), N = x.shape, y.shape[1]
+    state, conv_w, conv_b = conv if conv is not None else (w, w, None)
+    C, W = state.shape[1:] if conv is not None else (0, 1)
+    BLOCK_K = min(cfg.block_k, triton.next_power_of_2(K))
+    BLOCK_M = triton.next_power_of_2(M)
+    pdl = pdl_enabled(x.device)
+    grid = (triton.cdiv(N, cfg.block_n),)
+    launch = functools.partial(_gemv_kernel.warmup, grid=grid) if warmup else _gemv_kernel[grid]
+    return launch(
+        x, w, y, state, conv_w, conv_b if conv_b is not None else conv_w, M, N, K, C, x.stride(0), y.stride(0),
+        *(state.stride() if conv is not None else (0, 0, 0)), conv_w.stride(0),
+        SWIGLU=gate_up, CONV=conv is not None, CONV_W=W, CONV_BIAS=conv_b is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K, BLOCK_W=triton.next_power_of_2(W),
+        ROW_ACC=_gemv_row_acc(cfg, BLOCK_M, BLOCK_K, gate_up), UNROLL=cfg.unroll, num_warps=cfg.warps,
+        PDL=pdl, LATE_TRIGGER=_gemv_late_trigger(w, pdl),
+        **_pdl_launch(pdl),
+    )
 
 
 def gemv_ref(
@@ -490,6 +503,12 @@ def _time_candidates(x, w, gate_up, conv) -> dict:
         weights = _timing_weights(w)
         # with the conv, as it will run (cuBLAS then pays the conv step's launch), on a copy of its state
         scratch = (conv[0].clone(), *conv[1:]) if conv is not None else None
+        # every GEMV candidate compiled at once (`compile_in_parallel`), then each timed on its compiled kernel
+        n = w.shape[0] // 2 if gate_up else w.shape[0]
+        y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        compile_in_parallel(functools.partial(_gemv_launch, x, w, y, gate_up, cfg, scratch, True)
+                            for cfg in _GEMV_CONFIGS)
+        del y
         timings = {}
         for cand in ("cublas", *_GEMV_CONFIGS):
             try:
@@ -519,7 +538,7 @@ def small_linear(
     step's eager warm-up): read from the card's record on disk (`recorded_choice`) if an earlier process made it,
     else timed as the captured step runs it (each candidate in a CUDA graph over the weight and copies of it, weights
     cold in L2, `_time_in_graph_ms`; with the conv on a copy of its state, so cuBLAS's extra conv launch is timed too)
-    and recorded; kept for the process. A shape first met inside a capture, more than `_GEMV_TIMED_MAX_M` (4) rows,
+    and recorded; kept for the process. A shape first met inside a capture, more than `_GEMV_TIMED_MAX_M` (1) row,
     or a weight `gemv` does not take, uses cuBLAS. One decision point."""
     key = (x.shape[0], w.shape[0], w.shape[1], gate_up, x.dtype, x.device)
     choice = _small_linear_choice.get(key)

@@ -375,6 +375,48 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
     return out
 
 
+class CompileLog:
+    """Counts the Triton compiles inside a `with` block (Triton's JIT hooks): per kernel name, how many and the
+    wall-clock seconds from the compile's start to its end (a binary Triton found in its on-disk cache counts too,
+    in milliseconds). Without triton, or with another hook installed, it records nothing."""
+
+    def __init__(self):
+        self.by_kernel: dict = {}
+        self._start: dict = {}
+        self._runtime = None
+
+    def __enter__(self):
+        try:
+            import triton
+
+            runtime = triton.knobs.runtime
+        except (ImportError, AttributeError):
+            return self
+        if runtime.jit_cache_hook is None and runtime.jit_post_compile_hook is None:
+            self._runtime = runtime
+            runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._before, self._after
+        return self
+
+    def __exit__(self, *exc):
+        if self._runtime is not None:
+            self._runtime.jit_cache_hook = self._runtime.jit_post_compile_hook = None
+        return False
+
+    def _before(self, *, key, fn, **_):
+        self._start[(fn.name, str(key))] = time.perf_counter()
+        return False  # compile as usual
+
+    def _after(self, *, key, fn, **_):
+        t0 = self._start.pop((fn.name, str(key)), None)
+        n, s = self.by_kernel.get(fn.name, (0, 0.0))
+        self.by_kernel[fn.name] = (n + 1, s + (time.perf_counter() - t0 if t0 is not None else 0.0))
+
+    def summary(self) -> dict:
+        return {"compiles": sum(n for n, _ in self.by_kernel.values()),
+                "compile_s": sum(s for _, s in self.by_kernel.values()),
+                "by_kernel": {k: {"n": n, "s": round(s, 3)} for k, (n, s) in sorted(self.by_kernel.items())}}
+
+
 def new_shape_calls(models: dict, shapes, new_tokens: int, device, vocab, profile_dir: Path | None = None) -> dict:
     """The stall at a new shape: for each `(batch, prompt_len)` in `shapes`, in order, in this process (after the
     other measurements, so every other shape is warm), the first `generate` of `new_tokens` tokens and then the same
@@ -393,23 +435,30 @@ def new_shape_calls(models: dict, shapes, new_tokens: int, device, vocab, profil
             def run():
                 generate_tokens(model, ids, new_tokens, device)
 
-            times = []
+            times, compiles = [], {}
             for call in range(2):
                 prof = cProfile.Profile() if profile_dir is not None and call == 0 and name == "fused" else None
-                t0 = time.perf_counter()
-                if prof is not None:
-                    prof.runcall(run)
-                else:
-                    run()
-                times.append(time.perf_counter() - t0)
+                with CompileLog() as clog:
+                    t0 = time.perf_counter()
+                    if prof is not None:
+                        prof.runcall(run)
+                    else:
+                        run()
+                    times.append(time.perf_counter() - t0)
+                if call == 0:
+                    compiles = clog.summary()
                 if prof is not None:
                     text = io.StringIO()
                     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(25)
                     profile_dir.mkdir(parents=True, exist_ok=True)
                     (profile_dir / f"first_call_{batch}x{prompt_len}.txt").write_text(text.getvalue())
-            row[name] = {"first_s": times[0], "repeat_s": times[1], "stall_s": times[0] - times[1]}
+            row[name] = {"first_s": times[0], "repeat_s": times[1], "stall_s": times[0] - times[1], **compiles}
             log(f"new shape batch={batch} prompt={prompt_len} {name}: first {times[0]:.2f} s, repeat "
-                f"{times[1]:.2f} s, stall {times[0] - times[1]:.2f} s")
+                f"{times[1]:.2f} s, stall {times[0] - times[1]:.2f} s; first call: {compiles.get('compiles', 0)} "
+                f"Triton compiles, {compiles.get('compile_s', 0.0):.2f} s")
+            if compiles.get("by_kernel"):
+                log("  compiles by kernel: " + ", ".join(f"{k} {v['n']} ({v['s']:.2f} s)"
+                                                        for k, v in compiles["by_kernel"].items()))
         out[f"{batch}x{prompt_len}"] = row
     return out
 
@@ -516,8 +565,13 @@ def cold_start(target: dict, variants, prompt_len: int, new_tokens: int) -> dict
                 if proc.returncode or not lines:
                     raise RuntimeError(f"cold-start child {variant} ({phase}) failed:\n{proc.stderr[-3000:]}")
                 row[phase] = json.loads(lines[-1][len("RESULT "):])
-                log(f"cold start {target['name']} {variant} ({phase} Triton cache): build "
-                    f"{row[phase]['build_s']:.1f} s, first generate {row[phase]['first_s']:.2f} s, second {row[phase]['repeat_s']:.2f} s")
+                r = row[phase]
+                log(f"cold start {target['name']} {variant} ({phase} Triton cache): build {r['build_s']:.1f} s, first "
+                    f"generate {r['first_s']:.2f} s, second {r['repeat_s']:.2f} s; {r.get('compiles', 0)} Triton "
+                    f"compiles, {r.get('compile_s', 0.0):.1f} s")
+                top = sorted(r.get("by_kernel", {}).items(), key=lambda kv: -kv[1]["s"])[:12]
+                if top:
+                    log("  slowest compiles by kernel: " + ", ".join(f"{k} {v['n']} ({v['s']:.1f} s)" for k, v in top))
             out[variant] = row
     return out
 
@@ -533,11 +587,13 @@ def cold_child(args) -> None:
     build_s = time.perf_counter() - t0
     ids = torch.randint(3, model.config.vocab_size, (1, args.prompt_len), device=device)
     times = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        generate_tokens(model, ids, args.new_tokens, device)
-        times.append(time.perf_counter() - t0)
-    print("RESULT " + json.dumps({"build_s": build_s, "first_s": times[0], "repeat_s": times[1]}), flush=True)
+    with CompileLog() as clog:
+        for _ in range(2):
+            t0 = time.perf_counter()
+            generate_tokens(model, ids, args.new_tokens, device)
+            times.append(time.perf_counter() - t0)
+    print("RESULT " + json.dumps({"build_s": build_s, "first_s": times[0], "repeat_s": times[1], **clog.summary()}),
+          flush=True)
 
 
 def profile_forward(models: dict, T: int, device, vocab, rows: int = 12) -> dict:
@@ -727,12 +783,14 @@ def _stall_markdown(results: dict) -> list[str]:
     rows = [(n, shape, d) for n, r in results["models"].items() for shape, d in r.get("new_shapes", {}).items()]
     if rows:
         lines += ["", "First `generate` (32 new tokens) at a new batch x prompt length in a warm process, seconds:", "",
-                  "| model | batch x prompt | stock first / repeat | fused first / repeat | fused stall (first - repeat) |",
-                  "|---|---|---|---|---|"]
+                  "| model | batch x prompt | stock first / repeat | fused first / repeat | fused stall (first - repeat) | "
+                  "Triton compiles in the first call, stock / fused (s) |",
+                  "|---|---|---|---|---|---|"]
         for name, shape, d in rows:
             st, f = d["stock"], d["fused"]
+            comp = lambda x: f"{x.get('compiles', 0)} ({x.get('compile_s', 0.0):.1f})"  # noqa: E731
             lines.append(f"| {name} | {shape} | {st['first_s']:.2f} / {st['repeat_s']:.2f} | {f['first_s']:.2f} / "
-                         f"{f['repeat_s']:.2f} | {f['stall_s']:.2f} |")
+                         f"{f['repeat_s']:.2f} | {f['stall_s']:.2f} | {comp(st)} / {comp(f)} |")
     rows = [(n, r["cold_start"]) for n, r in results["models"].items() if r.get("cold_start")]
     if rows:
         lines += ["", "Fresh process, batch 1, 32 new tokens, seconds (cold: empty Triton cache; warm: the cache the "

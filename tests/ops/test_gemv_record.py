@@ -73,12 +73,12 @@ def test_small_linear_reads_the_record_instead_of_timing(tmp_path, fresh, monkey
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
     monkeypatch.setattr(fused_ops_gemv, "_small_linear_choice", {})
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
     y = fused_ops.small_linear(x, w)
     (choice,) = fused_ops_gemv._small_linear_choice.values()
     path = fused_ops_gemv._record_path(x.device)
-    assert path.is_file() and fused_ops_gemv.recorded_choice(path, (2, 1024, 512, False, x.dtype, x.device)) == choice
+    assert path.is_file() and fused_ops_gemv.recorded_choice(path, (1, 1024, 512, False, x.dtype, x.device)) == choice
 
     fused_ops_gemv._small_linear_choice.clear()
     fused_ops_gemv._records.clear()
@@ -92,7 +92,60 @@ def test_small_linear_reads_the_record_instead_of_timing(tmp_path, fresh, monkey
     assert torch.equal(again, y)
 
 
+@pytest.mark.cuda
+def test_more_rows_than_timed_take_cublas_without_timing(monkeypatch):
+    """Past `_GEMV_TIMED_MAX_M` rows the choice is cuBLAS at once: nothing compiled or timed at a new batch size."""
+    monkeypatch.setattr(fused_ops_gemv, "_small_linear_choice", {})
+
+    def no_timing(*args):
+        raise AssertionError("timed a row count past _GEMV_TIMED_MAX_M")
+
+    monkeypatch.setattr(fused_ops_gemv, "_time_candidates", no_timing)
+    rows = fused_ops_gemv._GEMV_TIMED_MAX_M + 1
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    y = fused_ops.small_linear(x, w)
+    assert list(fused_ops_gemv._small_linear_choice.values()) == ["cublas"]
+    assert torch.equal(y, torch.nn.functional.linear(x, w))
+
+
 def test_record_can_be_switched_off(monkeypatch):
     """`RECORD_CHOICES = False` (benchmark_gemv.py, which must time every shape): no record path, no CUDA call."""
     monkeypatch.setattr(fused_ops_gemv, "RECORD_CHOICES", False)
     assert fused_ops_gemv._record_path(torch.device("cuda", 0)) is None
+
+
+@pytest.mark.cuda
+def test_new_row_count_compiles_its_candidates_at_once_before_timing(tmp_path, monkeypatch):
+    """On the GPU: the first timing of a shape compiles every GEMV candidate in one batch (`compile_in_parallel`, on
+    a pool of threads), so the timing loop after it compiles nothing. Counted with Triton's JIT hooks, on an empty
+    on-disk cache and with the kernel's in-process binaries dropped."""
+    import triton
+
+    if import_module("fused_ops_runtime")._AsyncCompileMode is None:
+        pytest.skip("this Triton has no asynchronous compile mode: the candidates compile one by one")
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    monkeypatch.setattr(fused_ops_gemv._gemv_kernel, "device_caches", type(fused_ops_gemv._gemv_kernel.device_caches)(
+        fused_ops_gemv._gemv_kernel.create_binder))
+    compiled = {"before": 0, "timing": 0}
+    phase = ["before"]
+
+    def count(*, fn, **_):
+        if fn.name.endswith("_gemv_kernel"):
+            compiled[phase[0]] += 1
+        return False
+
+    real_time = fused_ops_gemv._time_in_graph_ms
+
+    def timing(*args, **kwargs):
+        phase[0] = "timing"
+        return real_time(*args, **kwargs)
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", count)
+    monkeypatch.setattr(fused_ops_gemv, "_time_in_graph_ms", timing)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 640, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(2 * 384, 640, device="cuda", dtype=torch.bfloat16, generator=gen)
+    timings = fused_ops_gemv._time_candidates(x, w, True, None)
+    assert set(timings) == {"cublas", *fused_ops_gemv._GEMV_CONFIGS}
+    assert compiled["before"] >= 2 and compiled["timing"] == 0, compiled
