@@ -12,9 +12,9 @@ Outcomes are read per test from each run's JUnit XML. When the session will run 
 starts the fused run and the stock collection as soon as collection ends (`start_runs`), and a thread starts the
 stock run when they end, so all of it overlaps with the rest of the suite; the test waits for them.
 
-It runs wherever the suite runs: on CPU in CI, and on a GPU machine (`python -m pytest tests/upstream`), where the
-fused kernels run and stock itself fails some tests (training with fla, ...): the comparison is always against
-stock on the same machine. Without a GPU both runs hide flash-linear-attention (`-p no_fla`, which says why).
+It runs wherever the suite runs: on CPU in CI, and on a GPU machine (`QWEN3_5_UPSTREAM_SHARDS=14 python -m pytest
+tests/upstream`: each run split over 14 processes), where the fused kernels run and stock itself fails some tests
+(training with fla, ...): the comparison is always against stock on the same machine. Without a GPU both runs hide flash-linear-attention (`-p no_fla`, which says why).
 """
 
 import fnmatch
@@ -43,6 +43,11 @@ TEST_FILE = "tests/models/qwen3_5/test_modeling_qwen3_5.py"
 # The fused run takes ~2.5 min beside the rest of the suite on CI's 2 cores, stock's (mostly skips) well under one;
 # the limit, from a run's start, is for a hung run.
 RUN_TIMEOUT_S = 1500
+# QWEN3_5_UPSTREAM_SHARDS=N (default 1) splits the fused run and the stock run over N processes each, by test id:
+# on the H200 the fused run compiles fla's kernels for every tiny config one after another and did not finish within
+# one device call (600 s); N processes spread those compiles over N cores. With N > 1 the fused run starts once
+# stock's ids are collected and runs exactly those ids (an id the fused classes do not collect fails its shard).
+SHARDS = int(os.environ.get("QWEN3_5_UPSTREAM_SHARDS") or 1)
 
 # Tests that pass with stock and cannot pass with the fused classes, by design: {test id pattern (fnmatch): reason}.
 # Test ids are `Class::test_name[param]`.
@@ -110,6 +115,28 @@ def _finish(run: dict) -> dict:
     return {"outcomes": outcomes, "tail": tail, "timed_out": timed_out, "substitutions": substitutions}
 
 
+def _start_group(stage: Path, out: Path, plugins: list[str], select: list[str] | None) -> list[dict]:
+    """`_start` over `SHARDS` processes (round-robin slices of `select`); one process for the whole file when
+    `select` is None or SHARDS is 1."""
+    if select is not None and not select:
+        return []
+    if select is None or SHARDS <= 1:
+        return [_start(stage, out, plugins, select=select)]
+    slices = [select[i::SHARDS] for i in range(SHARDS)]
+    return [_start(stage, out.with_name(f"{out.name}-{i}"), plugins, select=part) for i, part in enumerate(slices)
+            if part]
+
+
+def _finish_group(runs: list[dict]) -> dict:
+    """`_finish` of every run of a group, merged: all outcomes, every tail, timed out if any was, the substitutions
+    only if every run reported them."""
+    done = [_finish(run) for run in runs]
+    subs = [d["substitutions"] for d in done]
+    return {"outcomes": {k: v for d in done for k, v in d["outcomes"].items()},
+            "tail": "\n".join(d["tail"] for d in done)[-6000:], "timed_out": any(d["timed_out"] for d in done),
+            "substitutions": subs[0] if subs and all(subs) else None}
+
+
 # The runs of this session, once started: {"dir": their folder, "fused": ..., "stock_ids": ..., "stock": ...,
 # "chain": the thread that starts stock, and what it found} (see start_runs).
 _RUNS: dict = {}
@@ -137,8 +164,9 @@ def start_runs() -> None:
     stage = _stage(root)
     common = [] if torch.cuda.is_available() else ["no_fla"]
     _RUNS.update(dir=root, stage=stage, common=common,
-                 stock_ids=_start(stage, root / "stock-ids", common, collect_only=True),
-                 fused=_start(stage, root / "fused", common + ["fused_substitute"]))
+                 stock_ids=_start(stage, root / "stock-ids", common, collect_only=True))
+    if SHARDS <= 1:  # sharded, the fused run waits for stock's ids (`_select_and_start_stock`)
+        _RUNS["fused"] = [_start(stage, root / "fused", common + ["fused_substitute"])]
     # the stock run starts as soon as the fused run ends, not when the test is reached
     _RUNS["chain"] = threading.Thread(target=_start_stock_after_fused, daemon=True)
     _RUNS["chain"].start()
@@ -154,15 +182,20 @@ def _start_stock_after_fused() -> None:
 
 
 def _select_and_start_stock() -> None:
-    fused, collected = _finish(_RUNS["fused"]), _finish(_RUNS["stock_ids"])
+    collected = _finish(_RUNS["stock_ids"])
     prefix = TEST_FILE + "::"
     stock_ids = [line[len(prefix):] for line in _RUNS["stock_ids"]["log"].read_text(errors="replace").splitlines()
                  if line.startswith(prefix)]
+    with _LOCK:
+        if "fused" not in _RUNS and not _RUNS.get("stopped"):  # sharded: the fused run starts on stock's ids
+            _RUNS["fused"] = _start_group(_RUNS["stage"], _RUNS["dir"] / "fused",
+                                          _RUNS["common"] + ["fused_substitute"], stock_ids)
+    fused = _finish_group(_RUNS.get("fused", []))
     select = [t for t in stock_ids if fused["outcomes"].get(t, ("missing",))[0] != "passed"]
     with _LOCK:
         _RUNS.update(fused_result=fused, collected=collected, ids=stock_ids, select=select)
         if select and not _RUNS.get("stopped"):
-            _RUNS["stock"] = _start(_RUNS["stage"], _RUNS["dir"] / "stock", _RUNS["common"], select=select)
+            _RUNS["stock"] = _start_group(_RUNS["stage"], _RUNS["dir"] / "stock", _RUNS["common"], select)
 
 
 def stop_runs() -> None:
@@ -170,9 +203,10 @@ def stop_runs() -> None:
     with _LOCK:
         _RUNS["stopped"] = True  # the chain thread starts nothing more
     for key in ("stock_ids", "fused", "stock"):
-        if key in _RUNS and _RUNS[key]["proc"].poll() is None:
-            _RUNS[key]["proc"].kill()
-            _RUNS[key]["proc"].wait()
+        for run in (_RUNS[key] if isinstance(_RUNS.get(key), list) else [_RUNS[key]] if key in _RUNS else []):
+            if run["proc"].poll() is None:
+                run["proc"].kill()
+                run["proc"].wait()
         if key == "fused" and "chain" in _RUNS:
             _RUNS["chain"].join(timeout=60)  # returns once the runs it waits for are gone
     if "dir" in _RUNS:
@@ -212,17 +246,17 @@ def test_fused_classes_pass_what_stock_passes():
     stock_ids, select = _RUNS["ids"], _RUNS["select"]
     for name, run in (("fused", fused), ("stock collection", collected)):
         assert not run["timed_out"], f"the {name} run took over {RUN_TIMEOUT_S} s; its output ends:\n{run['tail']}"
-    assert fused["substitutions"], f"fused_substitute did not run; the fused run's output ends:\n{fused['tail']}"
-    if select:
-        stock = _finish(_RUNS["stock"])
-        assert not stock["timed_out"], f"the stock run took over {RUN_TIMEOUT_S} s; its output ends:\n{stock['tail']}"
-    else:
-        stock = {"outcomes": {}, "tail": ""}
     if not stock_ids:
         tail = collected["tail"]
         errors = [line for line in tail.splitlines() if line.startswith("E ")] or tail.splitlines()
         pytest.skip(f"stock transformers {transformers.__version__} collects no upstream test here (the comparison "
                     f"holds: nothing to keep passing); its collection: {' '.join(errors[-1:])}")
+    assert fused["substitutions"], f"fused_substitute did not run; the fused run's output ends:\n{fused['tail']}"
+    if select:
+        stock = _finish_group(_RUNS["stock"])
+        assert not stock["timed_out"], f"the stock run took over {RUN_TIMEOUT_S} s; its output ends:\n{stock['tail']}"
+    else:
+        stock = {"outcomes": {}, "tail": ""}
     stock_passed = sorted(t for t, (outcome, _) in stock["outcomes"].items() if outcome == "passed")
 
     regressions, by_design = [], []
