@@ -80,9 +80,10 @@ def compile_in_parallel(warmups) -> None:
     that calls `kernel.warmup(...)`: it compiles, runs nothing), called here under Triton's asynchronous compile mode,
     which hands each compile to the pool and files the kernels when the last is done.
 
-    Why: the first decode step at a new row count compiles every GEMV candidate before timing them (14 a kind of
-    linear); one after another, that was 21-28 s of a new batch size at 4B on the H200. The compiler's LLVM and
-    ptxas stages release the GIL: 14 sm_90 compiles took 11.0 s in one thread and 6.0 s in two on a 2-core machine.
+    Why: the first decode step compiles every GEMV candidate before timing it against cuBLAS (14 a kind of linear,
+    42 at 4B). The compiler's LLVM and ptxas stages release the GIL: 14 sm_90 compiles took 11.0 s in one thread and
+    6.0 s in two on a 2-core machine, and on the H200 (16 cores) the cold 4B first `generate` went from 58.4 to
+    51.6 s.
     Where this Triton has no asynchronous mode, or a compile fails, the kernels compile one by one at their first
     real launch, as before (the launch raises as it always did)."""
     warmups = list(warmups)
@@ -101,7 +102,7 @@ def compile_in_parallel(warmups) -> None:
 
 
 if HAS_TRITON:
-    try:  # Triton >= 3.5; absent elsewhere (then `compile_in_parallel` leaves compiling to the launches)
+    try:  # in Triton 3.6 through 3.9; where absent, `compile_in_parallel` leaves compiling to the launches
         from triton.runtime._async_compile import AsyncCompileMode as _AsyncCompileMode
     except Exception:  # pragma: no cover - depends on the Triton version
         _AsyncCompileMode = None
