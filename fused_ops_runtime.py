@@ -1,5 +1,6 @@
 # Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
-"""The runtime the fused ops share: the optional-import gate, launch sizes, PDL, input checks, `@triton.jit` helpers.
+"""The runtime the fused ops share: the optional-import gate, launch sizes, PDL, input checks, compiling on a thread
+pool (`compile_in_parallel`), `@triton.jit` helpers.
 
 The `fused_ops*` modules are the only files of the repo that import `triton` or `fla` (flash-linear-attention), and
 they import both from here: the two imports sit in the one gate below and never raise. Where a package is missing,

@@ -14,7 +14,8 @@ stock run when they end, so all of it overlaps with the rest of the suite; the t
 
 It runs wherever the suite runs: on CPU in CI, and on a GPU machine (`QWEN3_5_UPSTREAM_SHARDS=14 python -m pytest
 tests/upstream`: each run split over 14 processes), where the fused kernels run and stock itself fails some tests
-(training with fla, ...): the comparison is always against stock on the same machine. Without a GPU both runs hide flash-linear-attention (`-p no_fla`, which says why).
+(training with fla, ...): the comparison is always against stock on the same machine. Without a GPU both runs hide
+flash-linear-attention (`-p no_fla`, which says why).
 """
 
 import fnmatch
