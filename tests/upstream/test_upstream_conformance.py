@@ -277,3 +277,31 @@ def test_fused_classes_pass_what_stock_passes():
         f"(fused {counts['fused']}; stock on the {len(select)} tests fused did not pass: {counts['stock']}):\n"
         + "\n".join(regressions)
     )
+
+
+def test_shards_deal_the_ids_and_merge_their_results(monkeypatch, tmp_path):
+    """QWEN3_5_UPSTREAM_SHARDS (the GPU machine's setting; CI runs one process): the ids are dealt round-robin, one
+    process a non-empty slice; the merged result holds every shard's outcomes, is timed out if any shard was, and
+    has the substitutions only if every shard reported them. Runs faked: no subprocess."""
+    module = sys.modules[__name__]
+    started = []
+
+    def fake_start(stage, out, plugins, select=None, collect_only=False):
+        started.append((out.name, list(select)))
+        return {"select": select, "name": out.name}
+
+    def fake_finish(run):
+        return {"outcomes": {t: ("passed", "") for t in run["select"]}, "tail": run["name"],
+                "timed_out": run["name"] == "fused-1", "substitutions": None if run["name"] == "stock-0" else {"a": 1}}
+
+    monkeypatch.setattr(module, "SHARDS", 3)
+    monkeypatch.setattr(module, "_start", fake_start)
+    monkeypatch.setattr(module, "_finish", fake_finish)
+    merged = _finish_group(_start_group(tmp_path, tmp_path / "fused", ["fused_substitute"], ["a", "b", "c", "d"]))
+    assert started == [("fused-0", ["a", "d"]), ("fused-1", ["b"]), ("fused-2", ["c"])]
+    assert sorted(merged["outcomes"]) == ["a", "b", "c", "d"] and merged["timed_out"] and merged["substitutions"]
+    started.clear()
+    merged = _finish_group(_start_group(tmp_path, tmp_path / "stock", [], ["a", "b"]))
+    assert started == [("stock-0", ["a"]), ("stock-1", ["b"])]
+    assert not merged["timed_out"] and merged["substitutions"] is None  # stock-0 reported none
+    assert _start_group(tmp_path, tmp_path / "stock", [], []) == [] and not started[2:]
