@@ -17,6 +17,8 @@ autotuner (`fused_ops_gemv`) and by the model's CUDA-graph code (through the `fu
 """
 
 import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -90,9 +92,6 @@ def compile_in_parallel(warmups) -> None:
     warmups = list(warmups)
     if not warmups or _AsyncCompileMode is None:
         return
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=max(1, min(len(warmups), cores))) as pool:
         with contextlib.suppress(Exception):  # a failed compile is redone (and raises) at its real launch

@@ -34,8 +34,9 @@ except Exception:  # pragma: no cover
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # One intra-op thread a process on CPU (unless the caller chose): the models here are tiny, and transformers' tests
-    # and the sm_90 compiles run in background processes beside this one, on CI's 2 cores (one pair of runs on 2 cores:
-    # 6 min 35 s with torch's default threads, 5 min 59 s with one; runs there spread by up to a minute).
+    # and the sm_90 compiles run in background processes beside this one, on CI's 2 cores, where OpenMP threads that
+    # wait for a busy core spin and burn it (one pair of runs on 2 cores: 6 min 35 s with torch's default threads,
+    # 5 min 59 s with one; runs there spread by up to a minute).
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
@@ -80,10 +81,6 @@ def pytest_collection_finish(session):
         if item.name == _UPSTREAM_TEST and hasattr(item.module, "start_runs"):
             item.module.start_runs()
             _started.append(item.module)
-            if not _HAS_CUDA:
-                # the upstream runs beside this process on CI's two cores: one torch thread here (OpenMP threads
-                # that wait for a busy core spin and burn it)
-                torch.set_num_threads(1)
             return
 
 

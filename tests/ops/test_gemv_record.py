@@ -116,9 +116,9 @@ def test_record_can_be_switched_off(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_new_row_count_compiles_its_candidates_at_once_before_timing(tmp_path, monkeypatch):
-    """On the GPU: the first timing of a shape compiles every GEMV candidate in one batch (`compile_in_parallel`, on
-    a pool of threads), so the timing loop after it compiles nothing. Counted with Triton's JIT hooks, on an empty
+def test_timing_compiles_its_candidates_at_once_before_timing(tmp_path, monkeypatch):
+    """On the GPU: timing a shape compiles every GEMV candidate in one batch first (`compile_in_parallel`, on a pool
+    of threads), so the timing loop after it compiles nothing. Counted with Triton's JIT hooks, on an empty
     on-disk cache and with the kernel's in-process binaries dropped."""
     import triton
 
