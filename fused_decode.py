@@ -11,8 +11,9 @@ reference to the state; :class:`fused_runner.FusedRunner` runs the model on it.
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicCache
 
-from .fused_compat import STOCK_ROTARY_FORWARDS, Cache
+from .fused_compat import STOCK_ROTARY_FORWARDS, Cache, cache_update_kwargs
 from .fused_graphs import WeightsSnapshot, capture_graph
 from .fused_plan import FusedPlan
 
@@ -288,6 +289,23 @@ class DecodeState:
         return self.graph_out
 
 
+def stock_cache_from_state(text_model, state: "DecodeState", pad: int, length: int | None = None) -> DynamicCache:
+    """The stock ``DynamicCache`` a stock forward over the real tokens returns, from a bucket's state whose real tokens
+    sit at slots [pad, pad + length) (``length`` None: to the end of the bucket): through the same update calls the
+    fused layers make on a stock cache, with copies (the buffers are reused)."""
+    end = state.max_len if length is None else pad + length
+    cache = DynamicCache(config=text_model.config)
+    for i, layer in enumerate(text_model.layers[: text_model.config.num_hidden_layers]):
+        if layer.block_type == "linear_attention":
+            m = layer.linear_attn
+            cache.update_conv_state(state.conv[i].clone(), i, conv_kernel_size=m.conv_kernel_size)
+            cache.update_recurrent_state(state.recurrent[i].clone(), i)
+        else:
+            cache.update(state.keys[i][:, :, pad:end].clone(), state.values[i][:, :, pad:end].clone(), i,
+                         **cache_update_kwargs({}))
+    return cache
+
+
 class FusedDecodeCache(Cache):
     """The cache ``generate`` uses on the fused path: a transformers ``Cache`` over a :class:`DecodeState`.
 
@@ -408,6 +426,12 @@ class FusedDecodeCache(Cache):
 
     def reset(self):
         self._seq_len = 0
+
+    def to_stock(self, text_model) -> DynamicCache:
+        """The stock ``DynamicCache`` stock's ``generate`` would return for the same call (the tokens fed so far:
+        the prompt and every generated token but the last), copied out of the buffers: what a fused ``generate``
+        returns as ``past_key_values``, so a caller can keep, inspect or continue it like stock's."""
+        return stock_cache_from_state(text_model, self._buffers(), self._pad, self._seq_len)
 
     def _unsupported(self, what: str):
         raise NotImplementedError(

@@ -126,7 +126,10 @@ def fused_sample(model, text_model, runner, cache: FusedDecodeCache, input_ids, 
     to_float = keep_logits or generation_config.do_sample or len(logits_processor) > 0
     has_eos = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
     max_length = getattr(stopping_criteria, "max_length", None)
-    check_every = 1 if streamer is not None else STOP_CHECK_EVERY
+    # A streamer waits for every token anyway; a returned cache must hold exactly the steps stock's holds (a batched
+    # check would have run the state up to 2 * STOP_CHECK_EVERY - 1 steps past the stop): both check every step.
+    exact_stop = streamer is not None or (ret and has_eos)
+    check_every = 1 if exact_stop else STOP_CHECK_EVERY
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     outputs = run_prefill(model, input_ids, generation_config, model_kwargs)
@@ -134,7 +137,7 @@ def fused_sample(model, text_model, runner, cache: FusedDecodeCache, input_ids, 
     logits = logits.to(copy=True, dtype=torch.float32 if to_float else logits.dtype, device=input_ids.device)
     del outputs
     prompt_len = input_ids.shape[1]
-    stops = StopFlags(check_every, lag=0 if streamer is not None else 1)
+    stops = StopFlags(check_every, lag=0 if exact_stop else 1)
     stop_at = None
     while True:
         next_scores = logits_processor(input_ids, logits)
@@ -174,9 +177,10 @@ def fused_sample(model, text_model, runner, cache: FusedDecodeCache, input_ids, 
         streamer.end()
     if not ret:
         return input_ids
+    # stock's DynamicCache, copied out of the model's buffers (which the next generate call reuses)
     return GenerateDecoderOnlyOutput(
         sequences=input_ids, scores=scores, logits=raw_logits, attentions=None, hidden_states=None,
-        **{GENERATE_OUTPUT_CACHE_FIELD: cache},
+        **{GENERATE_OUTPUT_CACHE_FIELD: cache.to_stock(text_model)},
     )
 
 

@@ -225,9 +225,10 @@ class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
     from ``A_log`` / ``dt_bias`` and grouped value heads inside the kernel; chunked, or per-token for IEEE fp32) ->
     ``gated_rms_norm`` (z read in place) -> ``out_proj``.
 
-    Covers forwards without a cache and the prefill that fills an empty cache. A call that continues from a stock
-    cache's state (decode outside the fused generate path, chunked prefill) runs the stock code; decode on a fused
-    decode cache runs the decode step (``fused_decode``) instead of this forward.
+    Covers forwards without a cache, the prefill that fills an empty cache, and calls that continue a cache's state
+    (a chunked prefill, a continued turn, decode outside the fused generate path): the cache's conv inputs are put
+    in front of the new ones and its recurrent state starts the rule, as in stock. Decode on a fused decode cache
+    runs the decode step (``fused_decode``) instead of this forward.
     """
 
     _fused_kind = "linear_attention"
@@ -240,10 +241,8 @@ class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
     def forward(self, hidden_states, *args, **kwargs):
         if self.plan.runs(self._fused_kind):
             cache = kwargs.get(DELTANET_CACHE_KW, args[0] if args else None)
-            if cache is None or not cache.has_previous_state(self.layer_idx):
-                attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-                return self._fused_forward(hidden_states, cache, attention_mask)
-            self.plan.fallback(self._fused_kind, "a call continues from a stock cache's state (not fused yet)")
+            attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+            return self._fused_forward(hidden_states, cache, attention_mask)
         return stock_call(super().forward, hidden_states, *args, **kwargs)
 
     def _fused_forward(self, hidden_states, cache, attention_mask):
@@ -254,16 +253,28 @@ class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
         mixed_qkv, z, b, a = torch.split(
             proj, [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
+        initial_state, prefix = None, 0
         if cache is not None:
-            cache.update_conv_state(mixed_qkv.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size)
+            if cache.has_previous_state(self.layer_idx):
+                initial_state = cache.get_recurrent_state(self.layer_idx)
+            # stock's cache returns its conv inputs [B, C, P + T]: the P cached (or zero-padded) ones, then ours
+            window = cache.update_conv_state(mixed_qkv.transpose(1, 2), self.layer_idx,
+                                             conv_kernel_size=self.conv_kernel_size)
+            prefix = window.shape[-1] - mixed_qkv.shape[1]
+            if prefix:  # a continued call: the conv sees the cached inputs first (a few rows of b, a in front)
+                mixed_qkv = window.transpose(1, 2).contiguous()  # [B, P + T, C], the kernel's row layout
+                b, a = F.pad(b, (0, 0, prefix, 0)), F.pad(a, (0, 0, prefix, 0))
         # One launch: conv + SiLU of the q|k|v columns, the q / k L2 norm, sigmoid(b) and a copied out contiguous,
         # so fla's delta rule neither normalises nor copies its inputs.
         query, key, value, beta, g = ops.deltanet_prep(
             mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, b, a,
             self.num_k_heads, self.head_k_dim, self.head_v_dim,
         )
+        if prefix:
+            query, key, value, beta, g = (t[:, prefix:].contiguous() for t in (query, key, value, beta, g))
         core, last_state = ops.gated_delta_rule_prefill(
-            query, key, value, g, beta, self.A_log, self.dt_bias, output_final_state=cache is not None
+            query, key, value, g, beta, self.A_log, self.dt_bias, output_final_state=cache is not None,
+            initial_state=initial_state,
         )
         if cache is not None:
             cache.update_recurrent_state(last_state, self.layer_idx)

@@ -676,13 +676,14 @@ def deltanet_prep_ref(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def prefill_rule_kernel(dtype: torch.dtype) -> str:
-    """Which fla kernel runs a prompt's gated delta rule for activations of `dtype`: "fused_recurrent" for fp32
-    while torch's fp32 matmul precision is "highest" (its default: no TF32), else "chunk". One decision point, read
-    at every eager forward; a forward already captured in a CUDA graph keeps the kernel it was captured with."""
+def prefill_rule_kernel(dtype: torch.dtype, tokens: int | None = None) -> str:
+    """Which fla kernel runs the gated delta rule over `tokens` tokens of `dtype`: "fused_recurrent" for fp32 while
+    torch's fp32 matmul precision is "highest" (its default: no TF32), and for a single token (as stock, which runs
+    its recurrent rule for one cached token); else "chunk". One decision point, read at every eager forward; a
+    forward already captured in a CUDA graph keeps the kernel it was captured with."""
     if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
         return "fused_recurrent"
-    return "chunk"
+    return "fused_recurrent" if tokens == 1 else "chunk"
 
 
 def gated_delta_rule_prefill(
@@ -694,32 +695,38 @@ def gated_delta_rule_prefill(
     A_log: torch.Tensor,
     dt_bias: torch.Tensor,
     output_final_state: bool = False,
+    initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The gated delta rule over a prompt from a zero state, gate `-exp(A_log) * softplus(a + dt_bias)` computed in
-    the kernel, by fla (`prefill_rule_kernel` picks the chunked or the per-token kernel).
+    """The gated delta rule over a prompt (from a zero state) or over the tokens that continue a cached state, gate
+    `-exp(A_log) * softplus(a + dt_bias)` computed in the kernel, by fla (`prefill_rule_kernel` picks the chunked
+    or the per-token kernel).
 
     Args:
         q, k: [B, T, H, K], already L2-normalised (`deltanet_prep`); v: [B, T, HV, V], HV a multiple of H (grouped
             value heads, as stock's `repeat_interleave`); one dtype.
         a: [B, T, HV] the raw gate input; beta: [B, T, HV] float32, already `sigmoid(b)`.
         A_log, dt_bias: [HV].
+        initial_state: optional [B, HV, K, V] (a cache's recurrent state), read as float32.
 
     Returns:
         o [B, T, HV, V] in q's dtype, and the final state [B, HV, K, V] float32 (None unless `output_final_state`).
     """
-    kernel = prefill_rule_kernel(q.dtype)
+    kernel = prefill_rule_kernel(q.dtype, q.shape[1])
+    if initial_state is not None:
+        initial_state = initial_state.float()
     if kernel == "chunk":
         return fla_chunk_gated_delta_rule(
-            q, k, v, g=a, beta=beta, output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
-            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=False, A_log=A_log, dt_bias=dt_bias,
+            q, k, v, g=a, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=False, A_log=A_log,
+            dt_bias=dt_bias,
         )
     return fla_fused_recurrent_gated_delta_rule(
-        q, k, v, g=a, beta=beta, output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
-        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+        q, k, v, g=a, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
     )
 
 
-def gated_delta_rule_prefill_ref(q, k, v, a, beta, A_log, dt_bias, output_final_state=False):
+def gated_delta_rule_prefill_ref(q, k, v, a, beta, A_log, dt_bias, output_final_state=False, initial_state=None):
     """Plain-torch `gated_delta_rule_prefill`: stock's torch chunked rule on key heads repeated for their value heads
     (what stock runs without fla). fp32 math inside; o in q's dtype, as fla returns it."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as stock  # lazy: only the references need transformers
@@ -728,6 +735,8 @@ def gated_delta_rule_prefill_ref(q, k, v, a, beta, A_log, dt_bias, output_final_
     group = v.shape[2] // q.shape[2]
     q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
     rule = inspect.unwrap(stock.torch_chunk_gated_delta_rule)
-    o, state = rule(q, k, v, g=gate, beta=beta, initial_state=None, output_final_state=output_final_state,
+    if initial_state is not None:
+        initial_state = initial_state.float()
+    o, state = rule(q, k, v, g=gate, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
                     use_qk_l2norm_in_kernel=False)
     return o.to(q.dtype), state

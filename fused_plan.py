@@ -13,8 +13,8 @@ model is built, loaded, moved, cast, put in train / eval mode or switched (``set
 - ``ops``: the kernel functions the fused modules call (the Triton kernels; in the tests' CPU emulation, their torch
   references).
 
-The one per-call condition left is ``torch.is_grad_enabled()`` (a context, not a property of the model): a call that
-records gradients runs the stock code, said once.
+The per-call conditions left are contexts, not properties of the model: a call that records gradients
+(``torch.is_grad_enabled()``) runs the stock code, said once, and so does a call torch.compile traces.
 """
 
 import torch
@@ -140,6 +140,10 @@ class FusedPlan:
 
     def runs(self, kind: str) -> bool:
         """Whether a call of layer kind ``kind`` takes the fused path now (announces a fallback once)."""
+        if torch.compiler.is_compiling():
+            # torch.compile traces the stock code (our Triton launches and packed-weight checks are not traceable);
+            # nothing is logged from inside a trace (a log call would break a fullgraph compile)
+            return False
         reason = self.kind_reasons.get(kind, self.reason)
         if reason is None and torch.is_grad_enabled():
             reason = "gradients are enabled (run under torch.no_grad() or torch.inference_mode())"

@@ -17,10 +17,9 @@ import copy
 import threading
 
 import torch
-from transformers.cache_utils import DynamicCache
 
-from .fused_compat import CACHE_KWS, OUTPUT_CACHE_FIELD, cache_update_kwargs
-from .fused_decode import DecodeState, FusedDecodeCache, decode_len_bucket
+from .fused_compat import CACHE_KWS, OUTPUT_CACHE_FIELD
+from .fused_decode import DecodeState, FusedDecodeCache, decode_len_bucket, stock_cache_from_state
 from .fused_graphs import CAPTURE_AFTER, FORWARD_GRAPH_MAX_LEN, LRU, ForwardGraph, PrefillGraph, forward_len_bucket
 from .fused_layers import prefill_into
 from .fused_plan import FusedPlan, announce
@@ -37,6 +36,23 @@ MAX_CACHE_FORWARD_GRAPHS = 4
 GRAPH_NEUTRAL_KWARGS = {"return_dict": (None, True), "output_attentions": (None, False),
                         "output_hidden_states": (None, False), "output_router_logits": (None, False),
                         "cache_position": (None,)}
+# Of those, the ones whose None means the config's value (stock reads `config.output_hidden_states`, ...).
+CONFIG_DEFAULTED_KWARGS = ("return_dict", "output_attentions", "output_hidden_states", "output_router_logits")
+
+
+def graph_blocker(config, kwargs: dict) -> str | None:
+    """The first argument of ``kwargs`` a bucketed forward or prompt does not serve, as ``name=value``, or None: a
+    value outside ``GRAPH_NEUTRAL_KWARGS``, or an output flag left None where ``config`` sets it (stock returns the
+    hidden states of a model whose config says ``output_hidden_states=True``; the bucketed run returns none)."""
+    for name, value in kwargs.items():
+        if name not in ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "use_cache", *CACHE_KWS) \
+                and value not in GRAPH_NEUTRAL_KWARGS.get(name, (None,)):
+            return f"{name}={value!r}"
+    for name in CONFIG_DEFAULTED_KWARGS:
+        value = getattr(config, name, None)
+        if kwargs.get(name) is None and value not in GRAPH_NEUTRAL_KWARGS[name]:
+            return f"{name}={value!r} (from the config)"
+    return None
 
 
 class MaskedForwardGraph:
@@ -71,21 +87,6 @@ class MaskedForwardGraph:
 
     def drop(self) -> None:
         self.prefill.drop()
-
-
-def stock_cache_from_state(text_model, state: DecodeState, pad: int):
-    """The stock ``DynamicCache`` a stock forward over the real tokens returns, from a left-padded bucket's state:
-    through the same update calls the fused layers make on a stock cache, with copies (the buffers are reused)."""
-    cache = DynamicCache(config=text_model.config)
-    for i, layer in enumerate(text_model.layers[: text_model.config.num_hidden_layers]):
-        if layer.block_type == "linear_attention":
-            m = layer.linear_attn
-            cache.update_conv_state(state.conv[i].clone(), i, conv_kernel_size=m.conv_kernel_size)
-            cache.update_recurrent_state(state.recurrent[i].clone(), i)
-        else:
-            cache.update(state.keys[i][:, :, pad:].clone(), state.values[i][:, :, pad:].clone(), i,
-                         **cache_update_kwargs({}))
-    return cache
 
 
 class FusedRunner:
@@ -207,7 +208,7 @@ class FusedRunner:
         st.load_positions(position_ids, 0, seq_len, advance=1)  # the first generated token: one past the prompt
         return out
 
-    def _bucket_blocker(self, cache, input_ids, position_ids, inputs_embeds, kwargs) -> str | None:
+    def _bucket_blocker(self, text_model, cache, input_ids, position_ids, inputs_embeds, kwargs) -> str | None:
         st = cache._state
         if inputs_embeds is not None or input_ids is None:
             return "the prompt came as inputs_embeds"
@@ -218,8 +219,8 @@ class FusedRunner:
         padded = forward_len_bucket(input_ids.shape[1])
         if cache._budget is None or padded + cache._budget - input_ids.shape[1] > st.max_len:
             return "the padded prompt and the new tokens do not fit the cache bucket"
-        extra = [k for k, v in kwargs.items() if k != "use_cache" and v not in GRAPH_NEUTRAL_KWARGS.get(k, (None,))]
-        return f"generate passed {extra[0]}" if extra else None
+        extra = graph_blocker(text_model.config, kwargs)
+        return f"generate passed {extra}" if extra else None
 
     def _bucketed_prefill(self, text_model, cache, input_ids, attention_mask, position_ids, inputs_embeds, kwargs):
         """The prompt left-padded to its length bucket (see :class:`PrefillGraph`): eagerly on the bucket's first
@@ -227,7 +228,7 @@ class FusedRunner:
         off, or a prompt the bucket does not cover (said once)."""
         if not self.plan.buckets:
             return None
-        reason = self._bucket_blocker(cache, input_ids, position_ids, inputs_embeds, kwargs)
+        reason = self._bucket_blocker(text_model, cache, input_ids, position_ids, inputs_embeds, kwargs)
         if reason is not None:
             announce(f"prefill-graph/{reason}",
                      f"Qwen3.5 fused kernels: the prompt runs without a CUDA graph because {reason}.")
@@ -277,7 +278,7 @@ class FusedRunner:
 
     # -- bucketed forwards -------------------------------------------------------------------------------------------
 
-    def forward_path(self, kwargs: dict) -> tuple[str | None, str]:
+    def forward_path(self, config, kwargs: dict) -> tuple[str | None, str]:
         """One decision point for the bucketed forward: ``(path, reason)``.
 
         - ``("right", "")``: no cache, no padding, no position ids: right-padded to the bucket (:class:`ForwardGraph`,
@@ -297,11 +298,9 @@ class FusedRunner:
             return None, "the call continues from a cache"
         if x.shape[1] > FORWARD_GRAPH_MAX_LEN:
             return None, f"the input has {x.shape[1]} tokens, more than the {FORWARD_GRAPH_MAX_LEN} captured"
-        for name, value in kwargs.items():
-            if name in ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "use_cache", *CACHE_KWS):
-                continue
-            if value not in GRAPH_NEUTRAL_KWARGS.get(name, (None,)):
-                return None, f"the argument {name}={value!r}"
+        blocker = graph_blocker(config, kwargs)
+        if blocker is not None:
+            return None, f"the argument {blocker}"
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
             return None, "the attention mask is not a 2D padding mask"
@@ -312,7 +311,7 @@ class FusedRunner:
     def forward(self, text_model, kwargs: dict):
         """The forward at its bucket's padded shape (replayed once captured), or None: the caller runs the stock
         forward (said once, with the reason, where it is not the plan's)."""
-        path, reason = self.forward_path(kwargs)
+        path, reason = self.forward_path(text_model.config, kwargs)
         if path is None:
             if reason:
                 announce(f"forward-graph/{reason}",

@@ -1,5 +1,6 @@
 """Small helpers shared by the test modules (no fixtures: plain functions)."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -310,6 +311,53 @@ def cache_of(generate_output):
     """The cache a `generate(..., return_dict_in_generate=True)` output carries (field `cache` from transformers
     5.2x, `past_key_values` before)."""
     return getattr(generate_output, "cache", None) or getattr(generate_output, "past_key_values", None)
+
+
+def assert_caches_close(got, want, layer_types, bound) -> None:
+    """Two stock `DynamicCache`s hold the same state: each attention layer's keys / values, each linear-attention
+    layer's conv and recurrent state (shapes equal, values within `bound`; the recurrent state compared in float32,
+    the dtype fla returns it in)."""
+    assert type(got) is type(want), (type(got), type(want))
+    for i, layer_type in enumerate(layer_types):
+        g, w = got.layers[i], want.layers[i]
+        pairs = ([("conv", g.conv_states[0], w.conv_states[0]), ("recurrent", g.recurrent_states[0].float(),
+                                                                 w.recurrent_states[0].float())]
+                 if layer_type == "linear_attention" else [("keys", g.keys, w.keys), ("values", g.values, w.values)])
+        for name, x, y in pairs:
+            assert x.shape == y.shape, (i, name, x.shape, y.shape)
+            assert rel_err(x, y) <= bound, (i, name, rel_err(x, y))
+
+
+@contextlib.contextmanager
+def decode_caches(model):
+    """Inside the block, the list of `FusedDecodeCache`s the `generate()` calls on `model` decode on, in order (none:
+    the stock decode ran). A fused `generate` returns stock's `DynamicCache`, copied out of its fused cache; the tests
+    that look at the fused one take it from here."""
+    made = []
+    if not hasattr(model, "_text_model"):  # a stock model
+        yield made
+        return
+    runner = model._text_model().runner
+    new_cache = runner.new_cache
+
+    def recording(*args, **kwargs):
+        made.append(new_cache(*args, **kwargs))
+        return made[-1]
+
+    runner.new_cache = recording
+    try:
+        yield made
+    finally:
+        del runner.new_cache
+
+
+def generate_fused(model, *args, **kwargs):
+    """`model.generate(...)` (with `return_dict_in_generate=True`), its output carrying `fused_cache`: the
+    `FusedDecodeCache` the call decoded on, or None where the stock decode ran."""
+    with decode_caches(model) as made:
+        out = model.generate(*args, **kwargs)
+    out.fused_cache = made[-1] if made else None
+    return out
 
 
 def generate_stock(model, *args, **kwargs):

@@ -23,7 +23,8 @@ import torch
 
 import helpers
 from helpers import compat, decode, generate_mod, graphs, plan_mod, runner_mod  # the repo modules these tests reach into
-from helpers import BOUNDS, cache_of, composite_kwargs, cuda_pair, fused_ops, generate_stock, ieee_stock, modeling
+from helpers import BOUNDS, cache_of, composite_kwargs, cuda_pair, fused_ops, generate_fused, generate_stock, ieee_stock
+from helpers import decode_caches, modeling
 from helpers import padded_batch, rel_err, stock_and_fused_lm
 from helpers import cpu_emulated, fused_on_cpu  # noqa: F401 - the fixture, used by every @cpu_emulated test
 from scripts.common import import_module
@@ -52,7 +53,7 @@ def _both(stock, fused, ids, mask=None, seed=None, **kw):
         a = generate_stock(stock, ids, attention_mask=mask, **kw)
         if seed is not None:
             torch.manual_seed(seed)
-        b = fused.generate(ids, attention_mask=mask, **kw)
+        b = generate_fused(fused, ids, attention_mask=mask, **kw)
     return a, b
 
 
@@ -74,9 +75,11 @@ def test_greedy_matches_stock(batch, length, new):
     if length == 1:
         mask = None
     a, b = _both(stock, fused, ids, mask, max_new_tokens=new, do_sample=False)
-    assert isinstance(cache_of(b), decode.FusedDecodeCache)
-    assert cache_of(b).get_seq_length() == length + new - 1
+    assert isinstance(b.fused_cache, decode.FusedDecodeCache)
     _assert_same(a, b)
+    # stock's DynamicCache as stock's generate returns it: prompt + new - 1 tokens, the same state
+    assert cache_of(b).get_seq_length() == cache_of(a).get_seq_length() == length + new - 1
+    helpers.assert_caches_close(cache_of(b), cache_of(a), fused.config.layer_types, SCORE_BOUND)
     assert fused.describe()["decode"]["path"] == "fused"
 
 
@@ -86,7 +89,7 @@ def test_sampling_matches_stock():
     ids, mask = _prompts(3, 9)
     a, b = _both(stock, fused, ids, mask, seed=7, max_new_tokens=16, do_sample=True, temperature=0.7, top_k=20,
                  top_p=0.9)
-    assert isinstance(cache_of(b), decode.FusedDecodeCache)
+    assert isinstance(b.fused_cache, decode.FusedDecodeCache)
     _assert_same(a, b)
 
 
@@ -119,7 +122,7 @@ def test_bucket_grows_with_length():
     ids, mask = _prompts(1, 250, pad_rows=())
     a, b = _both(stock, fused, ids, mask, max_new_tokens=10, do_sample=False)
     _assert_same(a, b)
-    assert cache_of(b).max_cache_len == 512
+    assert b.fused_cache.max_cache_len == 512
 
 
 @pytest.mark.parametrize("positions", ["none", "2d", "4d"])
@@ -151,14 +154,19 @@ def test_forward_continues_a_returned_cache_like_stock(positions):
 
 
 @cpu_emulated
-def test_stale_cache_refuses_to_run():
+def test_stale_cache_refuses_to_run_and_the_returned_cache_is_a_copy():
+    """The fused cache of a finished call refuses to run once a later call took its buffers over; the stock cache the
+    call returned is a copy, untouched by the later call."""
     stock, fused = stock_and_fused_lm(seed=0)
     ids, mask = _prompts(2, 5)
     _, first = _both(stock, fused, ids, mask, max_new_tokens=3, do_sample=False)
-    _both(stock, fused, ids, mask, max_new_tokens=3, do_sample=False)  # same bucket: takes the buffers over
+    kept = [t.clone() for t in (cache_of(first).layers[3].keys, cache_of(first).layers[0].recurrent_states[0])]
+    _both(stock, fused, ids.flip(0), mask.flip(0), max_new_tokens=3, do_sample=False)  # same bucket: its buffers
     with pytest.raises(RuntimeError, match="earlier generate"):
         with torch.no_grad():
-            fused(input_ids=ids[:, :1], **{compat.GENERATE_CACHE_KW: cache_of(first)})
+            fused(input_ids=ids[:, :1], **{compat.GENERATE_CACHE_KW: first.fused_cache})
+    assert torch.equal(cache_of(first).layers[3].keys, kept[0])
+    assert torch.equal(cache_of(first).layers[0].recurrent_states[0], kept[1])
 
 
 @cpu_emulated
@@ -166,10 +174,10 @@ def test_continuing_with_several_tokens_is_refused():
     _, fused = stock_and_fused_lm(seed=0)
     ids, mask = _prompts(2, 5)
     with torch.no_grad():
-        out = fused.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
+        out = generate_fused(fused, ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
                              return_dict_in_generate=True)
         with pytest.raises(NotImplementedError, match="one token at a time"):
-            fused(input_ids=ids[:, :3], **{compat.GENERATE_CACHE_KW: cache_of(out)})
+            fused(input_ids=ids[:, :3], **{compat.GENERATE_CACHE_KW: out.fused_cache})
 
 
 @pytest.mark.parametrize("case", ["beam", "cache_passed", "static", "hidden_states"])
@@ -193,12 +201,12 @@ def test_fallbacks_are_announced_and_correct(case, caplog):
             with torch.no_grad():
                 a = generate_stock(stock, ids, attention_mask=mask, pad_token_id=0, return_dict_in_generate=True,
                                    output_scores=True, **kw)
-                b = fused.generate(ids, attention_mask=mask, pad_token_id=0, return_dict_in_generate=True,
+                b = generate_fused(fused, ids, attention_mask=mask, pad_token_id=0, return_dict_in_generate=True,
                                    output_scores=True, **{compat.GENERATE_CACHE_KW: DynamicCache(config=fused.config)},
                                    **kw)
         else:
             a, b = _both(stock, fused, ids, mask, **kw)
-    assert not isinstance(cache_of(b), decode.FusedDecodeCache)
+    assert not isinstance(b.fused_cache, decode.FusedDecodeCache)
     messages = [r.getMessage() for r in caplog.records if "decodes with the stock" in r.getMessage()]
     assert len(messages) == 1 and expect in messages[0], messages
     assert torch.equal(a.sequences, b.sequences)
@@ -215,7 +223,7 @@ def test_composite_model_generates_fused():
     stock.load_state_dict(fused.state_dict())
     ids, mask = _prompts(2, 8)
     a, b = _both(stock, fused, ids, mask, max_new_tokens=10, do_sample=False)
-    assert isinstance(cache_of(b), decode.FusedDecodeCache)
+    assert isinstance(b.fused_cache, decode.FusedDecodeCache)
     _assert_same(a, b)
 
 
@@ -224,14 +232,14 @@ def test_moving_the_model_frees_decode_buffers():
     _, fused = stock_and_fused_lm(seed=0)
     ids, mask = _prompts(2, 5)
     with torch.no_grad():
-        out = fused.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
+        out = generate_fused(fused, ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
                              return_dict_in_generate=True)
     assert len(fused.describe()["decode"]["buckets"]) == 1
     fused.to(torch.float64)
     assert fused.describe()["decode"]["buckets"] == []
     with pytest.raises(RuntimeError, match="earlier generate"):
         with torch.no_grad():
-            fused(input_ids=ids[:, :1], **{compat.GENERATE_CACHE_KW: cache_of(out)})
+            fused(input_ids=ids[:, :1], **{compat.GENERATE_CACHE_KW: out.fused_cache})
     fused.set_fused_kernels(False)
     assert fused.describe()["decode"]["path"] == "stock"
 
@@ -380,8 +388,9 @@ def test_stop_flags_are_read_one_batch_late():
 @pytest.mark.parametrize("stop_after", [1, 5, generate_mod.STOP_CHECK_EVERY + 3, 2 * generate_mod.STOP_CHECK_EVERY + 1])
 @cpu_emulated
 def test_all_rows_stopping_early_cuts_the_extra_steps(stop_after):
-    """A criterion that stops every row after `stop_after` tokens: the batched stop check ran a few steps further,
-    and those are cut so sequences and scores equal stock's; the cache refuses to be continued."""
+    """A criterion that stops every row after `stop_after` tokens. Without a returned cache the batched stop check
+    runs a few steps further: sequences equal stock's (the extra tokens cut) and the fused cache refuses to be
+    continued. With one (`return_dict_in_generate`), every step is checked: scores and the cache are stock's."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class StopAfter(StoppingCriteria):
@@ -390,11 +399,16 @@ def test_all_rows_stopping_early_cuts_the_extra_steps(stop_after):
 
     stock, fused = stock_and_fused_lm(seed=0)
     ids, mask = _prompts(2, 6)
-    a, b = _both(stock, fused, ids, mask, max_new_tokens=60, do_sample=False,
-                 stopping_criteria=StoppingCriteriaList([StopAfter()]))
+    kw = dict(max_new_tokens=60, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter()]))
+    a, b = _both(stock, fused, ids, mask, **kw)
     _assert_same(a, b)
-    assert b.sequences.shape[1] == 6 + stop_after
-    cache = cache_of(b)
+    assert b.sequences.shape[1] == 6 + stop_after and not b.fused_cache._overrun
+    assert cache_of(b).get_seq_length() == cache_of(a).get_seq_length() == 6 + stop_after - 1
+    helpers.assert_caches_close(cache_of(b), cache_of(a), fused.config.layer_types, SCORE_BOUND)
+    with decode_caches(fused) as made, torch.no_grad():
+        plain = fused.generate(ids, attention_mask=mask, pad_token_id=0, **kw)
+    assert torch.equal(plain, a.sequences)
+    (cache,) = made
     if cache._overrun:
         with pytest.raises(RuntimeError, match="past the end"):
             with torch.no_grad():
@@ -418,7 +432,7 @@ def test_step_across_devices_matches_stock(monkeypatch):
     stock, fused = stock_and_fused_lm(seed=0)
     ids, mask = _prompts(2, 6)
     a, b = _both(stock, fused, ids, mask, max_new_tokens=5, do_sample=False)
-    assert isinstance(cache_of(b), decode.FusedDecodeCache) and cache_of(b)._state.multi_device
+    assert isinstance(b.fused_cache, decode.FusedDecodeCache) and b.fused_cache._state.multi_device
     _assert_same(a, b)
 
 
@@ -432,7 +446,7 @@ def test_padded_prefill_matches_stock(seq_len, batch, pad_rows):
     for _ in range(3):
         a, b = _both(stock, fused, ids, mask, max_new_tokens=6, do_sample=False)
         _assert_same(a, b)
-    cache = cache_of(b)
+    cache = b.fused_cache
     length = graphs.forward_len_bucket(seq_len)
     assert length in cache._state.prefill_graphs and cache._pad == length - seq_len > 0
 
@@ -446,7 +460,7 @@ def test_prefill_that_does_not_fit_runs_unpadded(caplog):
         for _ in range(2):
             a, b = _both(stock, fused, ids, mask, max_new_tokens=100, do_sample=False)
             _assert_same(a, b)
-    assert not cache_of(b)._state.prefill_graphs and cache_of(b)._pad == 0
+    assert not b.fused_cache._state.prefill_graphs and b.fused_cache._pad == 0
     assert sum("do not fit the cache bucket" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -497,7 +511,7 @@ def test_lm_head_of_a_step_goes_through_small_linear_unless_wrapped(monkeypatch)
         vocab_shape = tuple(fused.lm_head.weight.shape)
         assert (vocab_shape in seen) is not with_bias, (with_bias, seen)
         # the plain head runs inside the step (and its CUDA graph); the biased one after it
-        assert (generate_mod.graph_head(fused, fused.model, cache_of(b)._state) is fused.lm_head) is not with_bias
+        assert (generate_mod.graph_head(fused, fused.model, b.fused_cache._state) is fused.lm_head) is not with_bias
 
 
 ROPES = {
@@ -620,7 +634,7 @@ def _generate(model, ids, mask, **kw):
     kw = {**dict(do_sample=False, pad_token_id=0, eos_token_id=None, return_dict_in_generate=True,
                  output_scores=True), **kw}
     with torch.inference_mode():
-        return model.generate(input_ids=ids.cuda(), attention_mask=None if mask is None else mask.cuda(), **kw)
+        return generate_fused(model, input_ids=ids.cuda(), attention_mask=None if mask is None else mask.cuda(), **kw)
 
 
 def _check_steps(a, b, bound, upto=None):
@@ -637,7 +651,7 @@ def test_random_fp32_128_tokens_identical(batch, padding, graphs):
     ids, mask = padded_batch(batch, 21, padding)
     a = _generate(stock, ids, mask, max_new_tokens=128)
     b = _generate(fused, ids, mask, max_new_tokens=128)
-    assert isinstance(cache_of(b), decode.FusedDecodeCache)
+    assert isinstance(b.fused_cache, decode.FusedDecodeCache)
     assert torch.equal(a.sequences, b.sequences)
     _check_steps(a, b, BOUND[torch.float32])
     buckets = fused.describe()["decode"]["buckets"]
@@ -752,7 +766,7 @@ def test_captured_prefill_matches_stock(dtype, batch, padding, length):
             _check_steps(a, b, BOUND[dtype])
         else:
             _check_steps(a, b, BOUND[dtype], upto=1)  # the prefill's logits; bf16 tokens may part later
-    cache = cache_of(b)
+    cache = b.fused_cache
     (graph,) = cache._state.prefill_graphs.values()
     assert graph.graph and cache._pad == graphs.forward_len_bucket(length) - length
 

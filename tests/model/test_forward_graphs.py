@@ -143,6 +143,8 @@ def test_masked_bucket_forward_matches_stock(kind, seq_len):
     "kwargs, reason",
     [
         ({"use_cache": False, "output_hidden_states": True}, "output_hidden_states"),
+        ({"use_cache": False, "config": "output_hidden_states"}, "output_hidden_states=True (from the config)"),
+        ({"use_cache": False, "config": "output_attentions"}, "output_attentions=True (from the config)"),
         ({"inputs_embeds": "embeds"}, "inputs_embeds come with a cache"),
         ({"use_cache": False, "position_ids": "mrope"}, "not 2D"),
     ],
@@ -159,6 +161,10 @@ def test_uncovered_calls_run_eagerly_said_once(kwargs, reason, caplog):
         call_ids = ids
     if kwargs.get("position_ids") == "mrope":
         kwargs["position_ids"] = torch.arange(7).expand(3, 2, 7)
+    flag = kwargs.pop("config", None)  # an output flag set on the config, not passed: stock returns the output too
+    for model in (stock, fused) if flag else ():
+        model.set_attn_implementation("eager")  # stock's attentions need eager attention
+        setattr(model.config, flag, True)
     with torch.no_grad(), caplog.at_level(logging.WARNING):
         ref = run_stock(stock, call_ids, **kwargs)
         outs = [fused(call_ids, **kwargs) for _ in range(3)]
@@ -167,6 +173,11 @@ def test_uncovered_calls_run_eagerly_said_once(kwargs, reason, caplog):
     assert len(lines) == 1 and reason in lines[0].getMessage()
     for out in outs:
         assert rel_err(out.logits, ref.logits) <= EMULATED_BOUND
+        if flag:
+            field = flag.removeprefix("output_")
+            assert getattr(ref, field) is not None and len(getattr(out, field)) == len(getattr(ref, field))
+            for got, want in zip(getattr(out, field), getattr(ref, field)):
+                assert rel_err(got, want) <= EMULATED_BOUND
 
 
 @cpu_emulated

@@ -73,6 +73,42 @@ def test_cached_decode_matches_stock(fused_kernels):
             cache_s, cache_f = out_s.past_key_values, out_f.past_key_values
 
 
+def _continued_forward(model, ids, turn1, pad, call):
+    """transformers' regression test for #47086 in miniature: the whole left-padded batch in one forward, and the
+    same batch as a first forward plus a continuation on its cache whose row 1 starts with `pad` padded tokens;
+    returns (single, continued) last-token logits."""
+    mask = torch.ones_like(ids)
+    mask[1, turn1 : turn1 + pad] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        single = call(model, input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+        first = call(model, input_ids=ids[:, :turn1], attention_mask=mask[:, :turn1],
+                     position_ids=positions[:, :turn1], use_cache=True)
+        continued = call(model, input_ids=ids[:, turn1:], attention_mask=mask, position_ids=positions[:, turn1:],
+                         use_cache=True, past_key_values=first.past_key_values).logits[:, -1]
+    return single, continued
+
+
+@pytest.mark.parametrize("new", [1, 6], ids=["one-token", "chunk"])
+def test_continued_forward_runs_fused_and_matches_stock(new, monkeypatch):
+    """A forward that continues a cache (a chunked prefill, a next turn, decode on a stock cache) runs the fused
+    DeltaNet: the cache's conv inputs in front of the new ones, its recurrent state as the rule's initial state.
+    The continuation equals the single forward and stock's continuation (CPU emulation, torch references)."""
+    emulate_fused_on_cpu(monkeypatch)
+    stock, fused = stock_and_fused_lm()
+    seen = []
+    rule = fused.model.plan.ops.gated_delta_rule_prefill
+    monkeypatch.setattr(fused.model.plan.ops, "gated_delta_rule_prefill",
+                        lambda *a, **k: seen.append(k.get("initial_state") is not None) or rule(*a, **k))
+    ids = torch.randint(3, 200, (2, 7 + new), generator=torch.Generator().manual_seed(0))
+    pad = 0 if new == 1 else new - 2
+    want_single, want = _continued_forward(stock, ids, 7, pad, run_stock)
+    single, got = _continued_forward(fused, ids, 7, pad, lambda m, **k: m(**k))
+    assert True in seen  # the continuation's DeltaNet layers ran fused, from the cached state
+    assert rel_err(got, want) <= BOUNDS["cpu_emulation"] and rel_err(single, want_single) <= BOUNDS["cpu_emulation"]
+    assert rel_err(got, single) <= BOUNDS["cpu_emulation"]
+
+
 def test_fused_off_is_stock_bit_for_bit():
     stock, fused = stock_and_fused_lm(fused_kernels=False)
     ids, mask = padded_batch(3, 33, "left")
@@ -433,6 +469,24 @@ def test_fused_prefill_then_decode_gives_stock_tokens_fp32(batch, padding):
         ref = stock.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), **kw)
         out = fused.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), **kw)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("new", [1, 6, 70], ids=["one-token", "chunk", "chunk70"])
+@pytest.mark.cuda
+def test_continued_forward_matches_the_single_forward(new, dtype):
+    """The fused continuation of a cache agrees with the fused forward over the whole sequence as tightly as
+    transformers' own regression test asks (rtol 1e-4, atol 1e-5 in fp32: the two take the same IEEE rule), and
+    with stock's continuation within the forward bounds."""
+    stock, fused = cuda_pair(dtype)
+    ids = torch.randint(3, 200, (2, 9 + new), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    pad = 0 if new == 1 else new - 2
+    want_single, want = _continued_forward(stock, ids, 9, pad, lambda m, **k: m(**k))
+    single, got = _continued_forward(fused, ids, 9, pad, lambda m, **k: m(**k))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, single, rtol=1e-4, atol=1e-5)
+    assert rel_err(got.float(), want.float()) <= BOUND[dtype]
+    assert rel_err(single.float(), want_single.float()) <= BOUND[dtype]
 
 
 @pytest.mark.cuda

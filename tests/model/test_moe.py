@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5Moe
 from helpers import (
     assert_initialized_like_stock,
     BOUNDS,
-    cache_of,
+    generate_fused,
     compat,
     configuration,
     decode,
@@ -119,8 +119,8 @@ def test_greedy_generate_matches_stock(monkeypatch, shape):
     with torch.no_grad():
         want = generate_stock(stock, ids, **kw)
         calls = _count_moe_calls(monkeypatch)
-        got = fused.generate(ids, **kw)
-    assert isinstance(cache_of(got), decode.FusedDecodeCache)  # the fused decode cache and step ran
+        got = generate_fused(fused, ids, **kw)
+    assert isinstance(got.fused_cache, decode.FusedDecodeCache)  # the fused decode cache and step ran
     assert calls["moe_experts"] >= stock.config.num_hidden_layers * 12
     _assert_same_generation(want, got)
 
@@ -137,8 +137,8 @@ def test_sampling_matches_stock():
         torch.manual_seed(7)
         want = generate_stock(stock, ids, **kw)
         torch.manual_seed(7)
-        got = fused.generate(ids, **kw)
-    assert isinstance(cache_of(got), decode.FusedDecodeCache)
+        got = generate_fused(fused, ids, **kw)
+    assert isinstance(got.fused_cache, decode.FusedDecodeCache)
     _assert_same_generation(want, got)
 
 
@@ -152,10 +152,10 @@ def test_composite_model_generates_fused_like_stock():
     ids, mask = padded_batch(2, 8, "left")
     kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
     with torch.no_grad():
-        want, got = generate_stock(stock, ids, **kw), fused.generate(ids, **kw)
+        want, got = generate_stock(stock, ids, **kw), generate_fused(fused, ids, **kw)
         logits_want = run_stock(stock, input_ids=ids, attention_mask=mask).logits
         logits_got = fused(input_ids=ids, attention_mask=mask).logits
-    assert isinstance(cache_of(got), decode.FusedDecodeCache)
+    assert isinstance(got.fused_cache, decode.FusedDecodeCache)
     assert torch.equal(got.sequences, want.sequences)
     assert rel_err(logits_got, logits_want) <= BOUND
 
@@ -494,7 +494,7 @@ def test_greedy_generate_matches_stock_fp32_cuda(shape):
     with torch.inference_mode():
         want = stock.generate(ids.cuda(), **kw)
         for _ in range(2):  # the second call replays the captured prompt and step
-            got = fused.generate(ids.cuda(), **kw)
-            assert isinstance(cache_of(got), decode.FusedDecodeCache)
+            got = generate_fused(fused, ids.cuda(), **kw)
+            assert isinstance(got.fused_cache, decode.FusedDecodeCache)
             assert torch.equal(got.sequences, want.sequences)
     assert fused.describe()["decode"]["buckets"][0]["graph_captured"]

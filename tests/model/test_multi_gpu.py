@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import decode, plan_mod  # the repo modules these tests reach into
-from helpers import ieee_stock, modeling, rel_err, stock_and_fused_lm
+from helpers import generate_fused, ieee_stock, modeling, rel_err, stock_and_fused_lm
 
 pytestmark = [
     pytest.mark.cuda,
@@ -90,9 +90,9 @@ def test_greedy_tokens_equal_single_gpu_and_stock(models, caplog):
     with torch.inference_mode(), caplog.at_level(logging.WARNING):
         ref = stock.generate(ids, **kw)
         one = single.generate(ids, **kw)
-        two = split.generate(ids, **kw)
+        two = generate_fused(split, ids, **kw)
         again = split.generate(ids, **kw)
-    cache = two.cache if hasattr(two, "cache") and two.cache is not None else two.past_key_values
+    cache = two.fused_cache
     assert isinstance(cache, decode.FusedDecodeCache)
     state = cache._state
     assert state.multi_device

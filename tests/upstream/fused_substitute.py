@@ -9,6 +9,7 @@ Loaded before the upstream test module is imported, it:
   `Qwen3_5ForConditionalGeneration` -> `Qwen3_5FusedForConditionalGeneration`) and the two config names to subclasses
   of the fused configs whose only change is the default `fused_kernels=True`. The sequence / token classification
   heads have no fused counterpart and stay stock.
+- with QWEN3_5_SUBSTITUTE_EMULATE=1, runs the fused path's control flow on CPU (see below);
 - registers the fused model classes with the Auto classes under the fused config classes, as
   `from_pretrained(..., trust_remote_code=True)` does with a repo's `auto_map` (`AutoModelForCausalLM.register(
   type(config), model_class, exist_ok=True)`), and the configs with `AutoConfig` under their `model_type`: a fused
@@ -28,6 +29,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 REPORT_ENV = "QWEN3_5_SUBSTITUTE_REPORT"
+# QWEN3_5_SUBSTITUTE_EMULATE=1 (the harness sets it without a GPU): on CPU, run the fused control flow with the
+# kernels' torch references (the tests' CPU emulation, `fused_plan.EMULATE_ON_CPU`) instead of the stock fallback, as
+# the fused path runs on a GPU.
+EMULATE_ENV = "QWEN3_5_SUBSTITUTE_EMULATE"
 
 # name imported from `transformers` -> the fused class that replaces it
 MODEL_NAMES = {
@@ -101,6 +106,9 @@ def substitute() -> dict:
     import transformers
 
     classes = _repo_classes()
+    if os.environ.get(EMULATE_ENV) == "1":
+        package = classes["Qwen3_5FusedTextModel"].__module__.rpartition(".")[0]
+        importlib.import_module(f"{package}.fused_plan").EMULATE_ON_CPU = True
     text_config, composite_config = _fused_on_configs(classes)
     replacements = {"Qwen3_5TextConfig": text_config, "Qwen3_5Config": composite_config}
     replacements.update({name: classes[fused] for name, fused in MODEL_NAMES.items()})

@@ -1,5 +1,5 @@
 """transformers' own Qwen3.5 model tests, run against the fused classes: every test that passes with the stock
-classes passes with the fused ones, except the cases in BY_DESIGN.
+classes passes with the fused ones, except the cases in BY_DESIGN (and, on a GPU, BY_DESIGN_CUDA).
 
 The upstream tests live beside the repo, in `<repo>/../shared/upstream-tests` (see its README; they are not copied
 into the repo), or where QWEN3_5_UPSTREAM_TESTS points; the test skips, saying so, where that folder is absent.
@@ -15,7 +15,8 @@ stock run when they end, so all of it overlaps with the rest of the suite; the t
 It runs wherever the suite runs: on CPU in CI, and on a GPU machine (`QWEN3_5_UPSTREAM_SHARDS=14 python -m pytest
 tests/upstream`: each run split over 14 processes), where the fused kernels run and stock itself fails some tests
 (training with fla, ...): the comparison is always against stock on the same machine. Without a GPU both runs hide
-flash-linear-attention (`-p no_fla`, which says why).
+flash-linear-attention (`-p no_fla`, which says why), and the fused run takes the CPU emulation of the GPU path
+(`QWEN3_5_SUBSTITUTE_EMULATE`, see `fused_substitute`).
 """
 
 import fnmatch
@@ -65,6 +66,15 @@ BY_DESIGN: dict[str, str] = {
     "classes only, none to remote code (the loaders here do their own mapping): the test skips",
 }
 
+# On a GPU only (where the fused kernels run; on CPU these pass and stay checked):
+BY_DESIGN_CUDA: dict[str, str] = {
+    "Qwen3_5ModelTest::test_save_load": "the upstream tester also saves and reloads stock's token / sequence "
+    "classification heads (no fused counterpart in the substitution), built from the fused config, so over the "
+    "fused backbone (registered with AutoModel as remote loading registers it); reloaded through stock's config "
+    "class they are stock over fla's TF32 chunked rule. Measured on the H200 (fp32): the two differ by 4.7e-6 and "
+    "3.8e-5 (the test's atol: 1e-5), while the fused classes of the test reload exactly (difference 0.0)",
+}
+
 
 def _stage(root: Path) -> Path:
     """A writable view of the upstream folder: a link to each of its entries, plus `src/transformers` pointing at
@@ -90,6 +100,11 @@ def _start(stage: Path, out: Path, plugins: list[str], select: list[str] | None 
     env["PYTHONPATH"] = os.pathsep.join([str(stage), str(HERE)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["QWEN3_5_SUBSTITUTE_REPORT"] = str(report)
     env.setdefault("OMP_NUM_THREADS", "1")  # tiny models: one thread each, beside the rest of the suite
+    if "fused_substitute" in plugins and not torch.cuda.is_available():
+        # Without a GPU the fused classes would take the stock fallback (stock's own code, which tests/model checks
+        # bit for bit); the fused run emulates the GPU path instead (its control flow with the kernels' torch
+        # references), where the regressions live. QWEN3_5_SUBSTITUTE_EMULATE=0 runs the fallback.
+        env.setdefault("QWEN3_5_SUBSTITUTE_EMULATE", "1")
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "_peer_compat"]
     for plugin in plugins:
         cmd += ["-p", plugin]
@@ -232,7 +247,8 @@ def _parse_junit(path: Path) -> dict:
 
 
 def _by_design(test_id: str) -> str | None:
-    return next((reason for pattern, reason in BY_DESIGN.items() if fnmatch.fnmatchcase(test_id, pattern)), None)
+    cases = {**BY_DESIGN, **(BY_DESIGN_CUDA if torch.cuda.is_available() else {})}
+    return next((reason for pattern, reason in cases.items() if fnmatch.fnmatchcase(test_id, pattern)), None)
 
 
 @pytest.mark.slow
