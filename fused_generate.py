@@ -128,7 +128,8 @@ def fused_sample(model, text_model, runner, cache: FusedDecodeCache, input_ids, 
     max_length = getattr(stopping_criteria, "max_length", None)
     # A streamer waits for every token anyway; a returned cache must hold exactly the steps stock's holds (a batched
     # check would have run the state up to 2 * STOP_CHECK_EVERY - 1 steps past the stop): both check every step.
-    exact_stop = streamer is not None or (ret and has_eos)
+    early_stops = any(type(c) is not MaxLengthCriteria for c in stopping_criteria)  # EOS, stop strings, custom
+    exact_stop = streamer is not None or (ret and early_stops)
     check_every = 1 if exact_stop else STOP_CHECK_EVERY
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -177,11 +178,21 @@ def fused_sample(model, text_model, runner, cache: FusedDecodeCache, input_ids, 
         streamer.end()
     if not ret:
         return input_ids
-    # stock's DynamicCache, copied out of the model's buffers (which the next generate call reuses)
+    # the model's generate() hands the caller stock's DynamicCache, copied out of this one (`with_stock_cache`)
     return GenerateDecoderOnlyOutput(
         sequences=input_ids, scores=scores, logits=raw_logits, attentions=None, hidden_states=None,
-        **{GENERATE_OUTPUT_CACHE_FIELD: cache.to_stock(text_model)},
+        **{GENERATE_OUTPUT_CACHE_FIELD: cache},
     )
+
+
+def with_stock_cache(output, text_model):
+    """``generate``'s output with a fused decode cache it carries (the fused loop's, or stock ``_sample``'s under
+    ``synced_gpus``) replaced by stock's ``DynamicCache`` copied out of it (``FusedDecodeCache.to_stock``): what stock's
+    generate returns, valid after the model's buffers serve a later call."""
+    cache = getattr(output, GENERATE_OUTPUT_CACHE_FIELD, None)
+    if isinstance(cache, FusedDecodeCache):
+        output[GENERATE_OUTPUT_CACHE_FIELD] = cache.to_stock(text_model)
+    return output
 
 
 

@@ -81,7 +81,7 @@ from .fused_compat import (
     with_signature_of,
 )
 from .fused_decode import FusedDecodeCache
-from .fused_generate import fused_sample
+from .fused_generate import fused_sample, with_stock_cache
 from .fused_layers import FUSED_OPS, FusedDecoderLayer, FusedRMSNorm, pack_all
 from .fused_ops import prefill_rule_kernel, small_linear_choices
 from .fused_moe import FUSED_MOE_OPS, FusedMoeDecoderLayer
@@ -212,7 +212,7 @@ class _FusedPreTrainedMixin:
         # a fused generate uses the model's shared decode buffers and graphs: one call at a time per model
         if self.fused_plan.decode_reason is None:
             with self._text_model().runner.lock:
-                return super().generate(*args, **kwargs)
+                return with_stock_cache(super().generate(*args, **kwargs), self._text_model())
         return super().generate(*args, **kwargs)
 
     def _prepare_cache_for_generation(self, *args, **kwargs):

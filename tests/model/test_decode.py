@@ -399,7 +399,9 @@ def test_all_rows_stopping_early_cuts_the_extra_steps(stop_after):
 
     stock, fused = stock_and_fused_lm(seed=0)
     ids, mask = _prompts(2, 6)
-    kw = dict(max_new_tokens=60, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter()]))
+    # no EOS: the custom criterion is the only stop besides the length
+    kw = dict(max_new_tokens=60, do_sample=False, eos_token_id=None,
+              stopping_criteria=StoppingCriteriaList([StopAfter()]))
     a, b = _both(stock, fused, ids, mask, **kw)
     _assert_same(a, b)
     assert b.sequences.shape[1] == 6 + stop_after and not b.fused_cache._overrun
