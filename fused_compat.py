@@ -67,6 +67,20 @@ ATTENTION_UPDATE_EXTRA = ATTENTION_CACHE_KW == "cache"
 TEXT_FORWARD_ARGS = tuple(inspect.signature(Qwen3_5TextModel.forward).parameters)[1:]
 
 
+if hasattr(Cache, "get_recurrent_state"):
+
+    def cached_recurrent_state(cache, layer_idx: int) -> torch.Tensor:
+        """The recurrent state a cache holds for DeltaNet layer ``layer_idx`` (one that has a previous state)."""
+        return cache.get_recurrent_state(layer_idx)
+
+else:  # transformers 5.17: stock reads the cache layer's list
+
+    def cached_recurrent_state(cache, layer_idx: int) -> torch.Tensor:
+        """The recurrent state a cache holds for DeltaNet layer ``layer_idx`` (one that has a previous state)."""
+        getter = getattr(cache, "get_recurrent_state", None)  # the fused decode cache has it on every version
+        return getter(layer_idx) if getter is not None else cache.layers[layer_idx].recurrent_states[0]
+
+
 def pop_cache(kwargs: dict):
     """Remove and return the cache object from ``kwargs``, whatever stock keyword carries it."""
     cache = None

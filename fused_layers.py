@@ -35,6 +35,7 @@ from .fused_compat import (
     ALL_ATTENTION_FUNCTIONS,
     ATTENTION_CACHE_KW,
     DELTANET_CACHE_KW,
+    cached_recurrent_state,
     cache_update_kwargs,
     eager_attention_forward,
     pop_cache,
@@ -256,7 +257,7 @@ class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
         initial_state, prefix = None, 0
         if cache is not None:
             if cache.has_previous_state(self.layer_idx):
-                initial_state = cache.get_recurrent_state(self.layer_idx)
+                initial_state = cached_recurrent_state(cache, self.layer_idx)
             # stock's cache returns its conv inputs [B, C, P + T]: the P cached (or zero-padded) ones, then ours
             window = cache.update_conv_state(mixed_qkv.transpose(1, 2), self.layer_idx,
                                              conv_kernel_size=self.conv_kernel_size)
