@@ -27,8 +27,6 @@ from .fused_decode import DecodeState, FusedDecodeCache
 STOP_CHECK_EVERY = 8
 
 
-
-
 class StopFlags:
     """Which rows of ``_fused_sample`` are still running after each step, read by the host a batch of steps at a time.
 
@@ -193,8 +191,6 @@ def with_stock_cache(output, text_model):
     if isinstance(cache, FusedDecodeCache):
         output[GENERATE_OUTPUT_CACHE_FIELD] = cache.to_stock(text_model)
     return output
-
-
 
 
 def next_logits(model, text_model, runner, cache: FusedDecodeCache, tokens: torch.Tensor) -> torch.Tensor:
