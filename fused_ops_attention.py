@@ -86,7 +86,7 @@ if HAS_TRITON:
         b_o = tl.where(m_rot[None, :], _round_to(b_a + b_b, dt), b_n)
         tl.store(p_o + o_d[None, :], b_o.to(dt), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _attn_prep_kernel(
         qkv_ptr,
         cos_ptr,
@@ -339,7 +339,7 @@ def attn_prep_ref(
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _sigmoid_gate_mul_kernel(
         o_ptr,
         g_ptr,
@@ -453,13 +453,13 @@ _DA_MAX_SPLITS = 32
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_valid_b", "L", "S", "SPLIT"])
     def _decode_attention_split_kernel(
         q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, m_ptr, l_ptr, acc_ptr,
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_k_l, stride_v_b, stride_v_h, stride_v_l,
-        stride_valid_b, L, S, scale,
+        stride_valid_b, L, S, scale, SPLIT,
         H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-        SPLIT: tl.constexpr, BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        MIN_SPLIT: tl.constexpr, BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         PDL: tl.constexpr,
     ):
         _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
@@ -476,7 +476,8 @@ if HAS_TRITON:
         b_q = tl.load(q_ptr + i_b * stride_q_b + i_h[:, None] * stride_q_h + o_d[None, :],
                       mask=m_g[:, None] & m_d[None, :], other=0.0)  # [BG, BD]
         n_keys = tl.minimum(tl.load(slot_ptr) + 1, L)
-        start = i_s * SPLIT
+        # SPLIT is a run-time value (a longer cache compiles nothing new), a power of two >= MIN_SPLIT
+        start = tl.multiple_of(i_s * SPLIT, MIN_SPLIT)
         end = tl.minimum(start + SPLIT, n_keys)
         b_m = tl.full([BLOCK_G], -1.0e30, tl.float32)
         b_l = tl.zeros([BLOCK_G], tl.float32)
@@ -514,7 +515,7 @@ if HAS_TRITON:
         tl.store(l_ptr + row, b_l, mask=m_g)
         tl.store(acc_ptr + row.to(tl.int64)[:, None] * D + o_d[None, :], b_acc, mask=m_g[:, None] & m_d[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])
     def _decode_attention_merge_kernel(
         m_ptr, l_ptr, acc_ptr, gate_ptr, y_ptr, S, stride_gate_b,
         H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -614,15 +615,16 @@ def decode_attention(
         _decode_attention_split_kernel[(B * KV, S)](
             q, keys, values, valid, slot, m, l, acc,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-            values.stride(0), values.stride(1), values.stride(2), valid.stride(0), L, S, float(scale),
-            H=H, KV=KV, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // KV)), BLOCK_D=BLOCK_D, SPLIT=split,
-            BLOCK_L=_DA_BLOCK_L, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            values.stride(0), values.stride(1), values.stride(2), valid.stride(0), L, S, float(scale), split,
+            H=H, KV=KV, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // KV)), BLOCK_D=BLOCK_D,
+            MIN_SPLIT=_DA_MIN_SPLIT, BLOCK_L=_DA_BLOCK_L,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST=q.device.type == "cpu", num_warps=4, PDL=pdl, **_pdl_launch(pdl),
         )
         _decode_attention_merge_kernel[(B * H,)](
             m, l, acc, gate, y, S, gate.stride(0),
-            H=H, D=D, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=BLOCK_D,
-            num_warps=_num_warps(max(2, triton.next_power_of_2(S)) * BLOCK_D), PDL=pdl, **_pdl_launch(pdl),
+            H=H, D=D, BLOCK_S=_DA_MAX_SPLITS, BLOCK_D=BLOCK_D, num_warps=_num_warps(_DA_MAX_SPLITS * BLOCK_D),
+            PDL=pdl, **_pdl_launch(pdl),
         )
     return y
 
@@ -649,7 +651,7 @@ def decode_attention_ref(q, keys, values, valid, slot, gate, scale):
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_ps", "stride_valid"])
     def _mrope_step_kernel(
         pos_ptr, sec_ptr, f_ptr, cos_ptr, sin_ptr, valid_ptr, slot_ptr, stride_ps, stride_pb, stride_valid, R, scaling,
         SCALE: tl.constexpr, ADVANCE: tl.constexpr, MARK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,

@@ -49,7 +49,7 @@ _ROUTE_MAX_K = 16
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _moe_route_kernel(
         l_ptr, w_ptr, i_ptr, T, E, stride_l,
         TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,

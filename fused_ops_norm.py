@@ -39,7 +39,7 @@ if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _rms_norm_kernel(
         x_ptr,
         r_ptr,
@@ -127,7 +127,7 @@ def rms_norm(
     n_rows = x_rows.shape[0]
     if n_rows > 0 and N > 0:
         BLOCK_N = triton.next_power_of_2(N)
-        BLOCK_M = _units_per_program(n_rows, BLOCK_N, cap=triton.next_power_of_2(n_rows))
+        BLOCK_M = _units_per_program(n_rows, BLOCK_N)
         with _device_guard(x):
             pdl = pdl_enabled(x.device)
             _rms_norm_kernel[(triton.cdiv(n_rows, BLOCK_M),)](
@@ -236,7 +236,7 @@ def swiglu_ref(gu: torch.Tensor) -> torch.Tensor:
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_rows"])
     def _gated_rms_norm_kernel(
         x_ptr, z_ptr, w_ptr, y_ptr, n_rows, D, stride_x, stride_zt, eps,
         HV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -297,7 +297,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     n_rows = x_rows.shape[0]
     if n_rows > 0 and D > 0:
         BLOCK_D = triton.next_power_of_2(D)
-        BLOCK_M = _units_per_program(n_rows, BLOCK_D, cap=triton.next_power_of_2(n_rows))
+        BLOCK_M = _units_per_program(n_rows, BLOCK_D)
         with _device_guard(x):
             pdl = pdl_enabled(x.device)
             _gated_rms_norm_kernel[(triton.cdiv(n_rows, BLOCK_M),)](

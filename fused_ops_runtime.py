@@ -58,9 +58,10 @@ def kernels_available() -> str | None:
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Launch shapes. Not measured on an H200 yet; the reasoning: a tile of _TILE elements with 8 elements per thread
-# gives every thread one 16-byte load of bf16, and we stop packing several rows (or heads) into one program once
-# that would leave fewer than _MIN_PROGRAMS programs (4 per SM on the 132 SMs of an H200), so decode (T=1) and
-# short prompts keep one row per program and spread over the SMs.
+# gives every thread one 16-byte load of bf16, and we pack several rows (or heads) into one program only when that
+# still leaves _MIN_PROGRAMS programs (4 per SM on the 132 SMs of an H200), so decode (T=1) and short prompts keep
+# one row per program and spread over the SMs. Two tile sizes a kernel, not one per row count: the tile is a
+# compile-time constant, and a size per row count compiled the kernel again at each new batch x prompt shape.
 _TILE = 4096
 _ELEMS_PER_THREAD = 8
 _MIN_PROGRAMS = 4 * 132
@@ -71,11 +72,13 @@ def _num_warps(tile_elems: int) -> int:
     return max(1, min(16, tile_elems // (32 * _ELEMS_PER_THREAD)))
 
 
-def _units_per_program(n_units: int, unit_elems: int, cap: int) -> int:
-    """How many rows (or heads) of `unit_elems` elements one program takes: a power of two that fills at most a
-    `_TILE`-element tile, is at most `cap`, and still leaves `_MIN_PROGRAMS` programs for `n_units` units."""
-    n = max(1, min(_TILE // unit_elems, n_units // _MIN_PROGRAMS, cap))
-    return 1 << (n.bit_length() - 1)
+def _units_per_program(n_units: int, unit_elems: int, cap: int = _TILE) -> int:
+    """How many rows (or heads) of `unit_elems` elements one program takes: 1, or the full tile (the largest power of
+    two that fills at most a `_TILE`-element tile and is at most `cap`) once `n_units` give `_MIN_PROGRAMS` programs
+    of that size. Nothing in between, so a kernel compiles at most two tile sizes whatever the shapes it meets."""
+    full = max(1, min(_TILE // unit_elems, cap))
+    full = 1 << (full.bit_length() - 1)
+    return full if n_units >= full * _MIN_PROGRAMS else 1
 
 
 def compile_in_parallel(warmups) -> None:

@@ -25,6 +25,8 @@ layers = import_module("fused_layers")
 graphs = import_module("fused_graphs")
 decode = import_module("fused_decode")
 runner_mod = import_module("fused_runner")
+OPS_MODULES = [import_module(f"fused_ops_{name}")
+               for name in ("norm", "attention", "deltanet", "gemv", "moe", "moe_gemm")]
 generate_mod = import_module("fused_generate")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,6 +96,35 @@ def assert_exact(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
     assert torch.equal(got, want), f"{name}: not bit-exact, max abs diff {(got.double() - want.double()).abs().max()}"
+
+
+class TritonCompiles:
+    """Counts, inside a `with` block, the Triton compiles of this repo's kernels (Triton's JIT hooks), by kernel name:
+    `self.ours`. A compile is what a new shape costs the user at its first call; a kernel that Triton takes from its
+    in-memory cache does not count."""
+
+    def __init__(self):
+        import triton
+
+        self._triton = triton
+        self._names = {name for module in OPS_MODULES for name, value in vars(module).items()
+                       if isinstance(value, triton.runtime.JITFunction)}
+        self.ours: dict[str, int] = {}
+
+    def __enter__(self):
+        runtime = self._triton.knobs.runtime
+        assert runtime.jit_cache_hook is None, "another Triton JIT hook is installed"
+        runtime.jit_cache_hook = self._hook
+        return self
+
+    def __exit__(self, *exc):
+        self._triton.knobs.runtime.jit_cache_hook = None
+        return False
+
+    def _hook(self, *, fn, **_):
+        if fn.name in self._names:
+            self.ours[fn.name] = self.ours.get(fn.name, 0) + 1
+        return False  # compile as usual
 
 
 # The kernels as they will be compiled on the H200 (sm_90): every pointer 16-byte aligned and every stride but the

@@ -685,6 +685,30 @@ def test_trained_bf16_logits_within_bound_until_divergence():
 
 
 @pytest.mark.cuda
+def test_a_kernel_that_ran_compiles_no_more_at_other_batch_sizes_and_prompts():
+    """Once a kernel of this repo has run (batch 1, a short and a long prompt: both tile sizes of the prefill
+    kernels), other batch sizes and prompt lengths compile it no more: row counts are run-time values, tile sizes do
+    not follow them, and the GEMV is timed at one row only (a compile is what a first call at a new shape stalls
+    on). A kernel that batch 1 did not need (the separate conv step, where one row took the GEMV's conv epilogue)
+    may compile once. The config's widths are multiples of 16, as the real models' are, so Triton specialises the
+    strides as it does for them. The calls still match stock."""
+    stock, fused = cuda_pair(torch.bfloat16, head_dim=64, linear_num_key_heads=8, linear_num_value_heads=16,
+                             max_position_embeddings=2048)
+    with helpers.TritonCompiles() as warm:
+        for length in (9, 700):
+            ids, mask = padded_batch(1, length, None)
+            _generate(fused, ids, mask, max_new_tokens=8)
+    with helpers.TritonCompiles() as compiles:
+        for batch, length in ((2, 9), (3, 13), (5, 40), (16, 9), (2, 300)):
+            ids, mask = padded_batch(batch, length, "left")
+            a = _generate(stock, ids, mask, max_new_tokens=8)
+            b = _generate(fused, ids, mask, max_new_tokens=8)
+            _check_steps(a, b, BOUND[torch.bfloat16], upto=1)
+    again = {name: n for name, n in compiles.ours.items() if name in warm.ours}
+    assert again == {}, f"compiled again: {again}; first compiled at batch 1: {warm.ours}"
+
+
+@pytest.mark.cuda
 def test_graph_replay_equals_eager_step_bf16():
     _, fused = cuda_pair(torch.bfloat16)
     ids, mask = padded_batch(2, 9, "left")

@@ -16,7 +16,8 @@ Error bounds (relative), and why:
 import pytest
 import torch
 
-from helpers import BOUNDS, DTYPE_IDS, DTYPES, assert_close, compile_for_sm90, fused_ops, needs_interpreter
+from helpers import BOUNDS, DTYPE_IDS, DTYPES, TritonCompiles, assert_close, compile_for_sm90, fused_ops
+from helpers import needs_interpreter
 from scripts.common import import_module
 
 fused_ops_attention = import_module("fused_ops_attention")
@@ -119,7 +120,9 @@ for dt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
     compile_(fused_ops_attention._decode_attention_split_kernel,
              dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", valid_ptr="*i1", slot_ptr="*i64", m_ptr="*fp32",
                   l_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-             dict(H=16, KV=4, D=256, BLOCK_G=16, BLOCK_D=256, SPLIT=64, BLOCK_L=32, DOT_PRECISION=prec, UPCAST=False), 4)
+             dict(H=16, KV=4, D=256, BLOCK_G=16, BLOCK_D=256, MIN_SPLIT=64, BLOCK_L=32, DOT_PRECISION=prec,
+                  UPCAST=False),
+             4)
     compile_(fused_ops_attention._decode_attention_merge_kernel,
              dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", gate_ptr=f"*{dt}", y_ptr=f"*{dt}"),
              dict(H=16, D=256, BLOCK_S=32, BLOCK_D=256), 16)
@@ -150,6 +153,17 @@ def test_split_sizes():
 @pytest.mark.parametrize("B", [1, 3])
 def test_decode_attention_cuda(dtype, H, KV, L, slot, B):
     check("cuda", dtype, B, H, KV, 256, L, slot)
+
+
+@pytest.mark.cuda
+def test_a_longer_cache_or_another_batch_compiles_nothing_new():
+    """The split length and the split count are run-time values: after one call, longer caches (more keys per
+    split) and other batch sizes run the kernels already compiled, and stay correct."""
+    check("cuda", torch.bfloat16, 1, 16, 4, 256, 256, 128)
+    with TritonCompiles() as compiles:
+        for B, L, slot in ((1, 4096, 3000), (3, 9000, 8999), (2, 20000, 17000)):
+            check("cuda", torch.bfloat16, B, 16, 4, 256, L, slot)
+    assert compiles.ours == {}
 
 
 @pytest.mark.cuda
