@@ -2,7 +2,8 @@
 
 - `@pytest.mark.cuda` tests are skipped where no GPU is visible (CI is CPU-only); run them on the device with
   `python -m pytest -m cuda`, or over several processes with `bash scripts/run_cuda_tests.sh`.
-- Tests of our kernels on CPU tensors carry `helpers.needs_interpreter`: skipped where a GPU is visible.
+- Tests of our kernels on CPU tensors carry `helpers.needs_interpreter`: skipped where a GPU is visible. Under the
+  interpreter, an unmarked test of tests/ops that launches a kernel fails (it would fail, not skip, on a GPU machine).
 - Without a GPU, Triton kernels run under the interpreter (`TRITON_INTERPRET=1`), which must be set before
   `triton.jit` decorates anything, so it is set here, before any test module imports `fused_ops`.
 - transformers' own tests (tests/upstream) run in subprocesses, started when collection ends so that they overlap
@@ -54,6 +55,49 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# Tests of tests/ops that launch our kernels on CPU tensors must carry `helpers.needs_interpreter`: on a GPU machine
+# (no interpreter) a launch on CPU tensors fails, where the marker skips. Here, under the interpreter, a kernel launched
+# by an unmarked test of tests/ops fails the test at once, saying so (`_guard_cpu_launches`).
+_unmarked_test: list = []  # the id of the unmarked tests/ops test running now, if any
+
+
+def _guard_cpu_launches():
+    if _HAS_CUDA or os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except Exception:  # pragma: no cover - depends on the Triton version
+        return
+    run = InterpretedFunction.run
+
+    def run_if_marked(self, *args, **kwargs):
+        if _unmarked_test and not kwargs.get("warmup", False):
+            raise AssertionError(
+                f"{_unmarked_test[0]} launches the Triton kernel {self.__name__} on CPU tensors without "
+                "`helpers.needs_interpreter`: on a GPU machine it would fail instead of skipping; add the marker.")
+        return run(self, *args, **kwargs)
+
+    InterpretedFunction.run = run_if_marked
+
+
+_guard_cpu_launches()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import helpers
+
+    ops = TESTS / "ops"
+    unmarked = Path(str(item.fspath)).is_relative_to(ops) and not any(
+        m.kwargs.get("reason") == helpers.INTERPRETER_REASON for m in item.iter_markers("skipif"))
+    if unmarked:
+        _unmarked_test.append(item.nodeid)
+    try:
+        yield
+    finally:
+        _unmarked_test.clear()
 
 
 _UPSTREAM_TEST = "test_fused_classes_pass_what_stock_passes"

@@ -34,9 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 # The dtypes every kernel test runs, with their test ids; CPU kernel tests need the Triton interpreter.
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
-needs_interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
-)
+INTERPRETER_REASON = "CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)"
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason=INTERPRETER_REASON)
 
 
 # Every relative-error bound of the suite (`rel_err(got, want) <= bound`), with its reason. A bound is never loosened

@@ -15,6 +15,7 @@ Error bounds (relative, `helpers.rel_err`; `BOUNDS["kernel"]` in helpers.py), an
 """
 
 import inspect
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -487,6 +488,17 @@ else:
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_cpu_kernel_launch_without_the_interpreter_marker_fails():
+    """On a GPU machine the interpreter is off and a launch on CPU tensors fails, so every test here that runs our
+    kernels on CPU tensors carries `needs_interpreter` (skipped there). Under the interpreter, tests/conftest.py fails
+    an unmarked test of tests/ops at its first launch; this test is unmarked, so its launch must be refused."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the guard exists only under the Triton interpreter (no GPU)")
+    x = torch.randn(2, 8)
+    with pytest.raises(AssertionError, match="needs_interpreter"):
+        fused_ops.rms_norm(x, torch.zeros(8), 1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,18 @@ def stock_cpu_forward(model, ids):
         return model(input_ids=ids).logits
 
 
+def _importable(name: str) -> bool:
+    try:
+        __import__(name)
+        return True
+    except ImportError:
+        return False
+
+
+# what this process could import (a test hides triton and fla, as on a machine without them)
+IMPORTABLE = {name: _importable(name) for name in ("triton", "fla")}
+
+
 def probe(repo_id: str, auto_name: str) -> dict:
     auto = getattr(transformers, auto_name)
     result = {}
@@ -41,6 +53,7 @@ def probe(repo_id: str, auto_name: str) -> dict:
             "describe": (next(v for k, v in model.describe()["layers"].items() if k in ("mlp", "moe"))
                          if trust else None),
         }
+    result["importable"] = IMPORTABLE
     return result
 
 

@@ -27,11 +27,6 @@ def _write_repo(model, folder: Path, auto_map: dict) -> None:
         shutil.copy2(REPO / name, folder / name)
 
 
-def _probe(tmp_path, repo_id, auto_name, hide=("fla",)):
-    results, stderr = _probe_many(tmp_path, [(repo_id, auto_name)], hide)
-    return results[0], stderr
-
-
 def _probe_many(tmp_path, pairs, hide=("fla",)):
     """Load each (repo id, Auto class) in `pairs` with and without remote code, in one fresh process on the offline
     cache under `tmp_path` (the modules in `hide` unimportable there); returns their results in order, and the
@@ -100,7 +95,9 @@ MOE_CASES = [(False, "AutoModelForCausalLM", "Qwen3_5MoeFusedForCausalLM", "Qwen
 def offline_repos(tmp_path_factory):
     """The dense text and composite repos and the MoE repos (text and composite, both expert layouts) in one offline
     cache, each loaded by every Auto class its tests use, all in one fresh process (several repos' remote code side by
-    side in one process, as a user who loads two of them has). Returns ({(repo id, Auto class): result}, stderr)."""
+    side in one process, as a user who loads two of them has), where triton and fla cannot be imported (on CPU the
+    fused classes run stock's code either way; the README's CPU setup, with triton, has its own test). Returns
+    ({(repo id, Auto class): result}, stderr)."""
     root = tmp_path_factory.mktemp("offline-repos")
     torch.manual_seed(0)
     text = modeling.Qwen3_5FusedForCausalLM(configuration.Qwen3_5FusedTextConfig(**composite_kwargs()["text_config"]))
@@ -116,8 +113,20 @@ def offline_repos(tmp_path_factory):
         for composite_moe in (False, True):
             repo_id = _moe_repo(root, composite_moe, layout)
             pairs += [(repo_id, auto) for c, auto, _, _ in MOE_CASES if c == composite_moe]
-    results, stderr = _probe_many(root, pairs)
+    results, stderr = _probe_many(root, pairs, hide=("triton", "fla"))
     return dict(zip(pairs, results)), stderr
+
+
+def test_remote_code_imports_without_triton_and_fla(offline_repos):
+    """transformers' remote-code import check reads every file; the code must import where triton / fla are absent
+    (the offline repos' process has neither)."""
+    result = offline_repos[0][(TEXT_ID, "AutoModelForCausalLM")]
+    assert result["importable"] == {"triton": False, "fla": False}
+    assert result["True"]["class"] == "Qwen3_5FusedForCausalLM"
+    assert result["True"]["logits"] == result["False"]["logits"]
+    # the reason a user reads: the missing GPU first where there is none (no package would help), else triton
+    want = "triton is not installed" if torch.cuda.is_available() else "no CUDA device is available"
+    assert want in result["True"]["describe"]["reason"]
 
 
 def test_text_repo_by_id_offline(offline_repos):
@@ -162,62 +171,53 @@ def test_missing_code_file_is_caught(tmp_path):
     assert "get_cached_module_file" in proc.stderr and "OSError" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_remote_code_imports_without_triton_and_fla(tmp_path):
-    """transformers' remote-code import check reads every file; the code must import where triton / fla are absent."""
-    torch.manual_seed(0)
-    model = modeling.Qwen3_5FusedForCausalLM(configuration.Qwen3_5FusedTextConfig(**composite_kwargs()["text_config"]))
-    _write_repo(model, tmp_path / "src", AUTO_MAP_TEXT)
-    make_hub_snapshot(tmp_path / "src", tmp_path / "hub", "test-org/no-triton")
-    result, stderr = _probe(tmp_path, "test-org/no-triton", "AutoModelForCausalLM", hide=("triton", "fla"))
-    assert result["True"]["class"] == "Qwen3_5FusedForCausalLM"
-    assert result["True"]["logits"] == result["False"]["logits"]
-    # the reason a user reads: the missing GPU first where there is none (no package would help), else triton
-    want = "triton is not installed" if torch.cuda.is_available() else "no CUDA device is available"
-    assert want in result["True"]["describe"]["reason"]
-
-
 ROOT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
               "chat_template.jinja", *CODE_FILES)
 ROOT_PROBE = Path(__file__).with_name("root_repo_probe.py")
 
 
-def _root_probe(tmp_path, target, auto_names, windows=None):
-    """`root_repo_probe.py` on `target` for each Auto class in `auto_names`, in one fresh process: their results."""
+def _root_probe(tmp_path, loads):
+    """`root_repo_probe.py` on each (target, Auto classes, windows) of `loads`, all in one fresh process on the
+    offline cache under `tmp_path`: for each load, its results in the order of its Auto classes."""
     env = offline_env(tmp_path / "hub", tmp_path / "modules")
-    extra = [] if windows is None else [str(windows)]
-    proc = subprocess.run([sys.executable, str(ROOT_PROBE), target, ",".join(auto_names), *extra], env=env,
-                          capture_output=True, text=True, timeout=900)
+    args = [x for target, autos, windows in loads for x in (target, ",".join(autos), str(windows))]
+    proc = subprocess.run([sys.executable, str(ROOT_PROBE), *args], env=env, capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert len(lines) == len(auto_names), proc.stdout[-2000:]
-    return [json.loads(line[len("RESULT "):]) for line in lines]
+    lines = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert len(lines) == sum(len(autos) for _, autos, _ in loads), proc.stdout[-2000:]
+    out = []
+    for _, autos, _ in loads:
+        out.append(dict(zip(autos, lines[: len(autos)])))
+        lines = lines[len(autos):]
+    return out
 
 
 @pytest.fixture(scope="module")
-def local_folder(tmp_path_factory):
-    """The repo root's files copied to a plain folder (as after `hf download --local-dir`), loaded by
-    AutoModelForCausalLM (scoring the first 8 held-out windows) and AutoModelForImageTextToText in one process."""
-    tmp = tmp_path_factory.mktemp("local-folder")
+def shipped(tmp_path_factory):
+    """The repo root as a Hub repo: its files copied to a plain folder (as after `hf download --local-dir`) and to an
+    offline Hub cache as `test-org/qwen35-fused-tiny`, loaded in one process: the folder by AutoModelForCausalLM
+    (scoring the first 8 held-out windows) and AutoModelForImageTextToText, the repo id by AutoModelForCausalLM
+    (the same 8 windows). Returns {"local-folder": {Auto class: result}, "repo-id": {...}}."""
+    tmp = tmp_path_factory.mktemp("shipped")
     target = tmp / "local"
     target.mkdir()
     for name in ROOT_FILES:
         shutil.copy2(REPO / name, target / name)
-    lm, vlm = _root_probe(tmp, str(target), ["AutoModelForCausalLM", "AutoModelForImageTextToText"], windows=8)
-    return {"AutoModelForCausalLM": lm, "AutoModelForImageTextToText": vlm}
+    make_hub_snapshot(REPO, tmp / "hub", "test-org/qwen35-fused-tiny", files=ROOT_FILES)
+    local, by_id = _root_probe(tmp, [(str(target), ["AutoModelForCausalLM", "AutoModelForImageTextToText"], 8),
+                                     ("test-org/qwen35-fused-tiny", ["AutoModelForCausalLM"], 8)])
+    return {"local-folder": local, "repo-id": by_id}
 
 
 @pytest.mark.parametrize("via", ["repo-id", "local-folder"])
-def test_shipped_model_loads_and_scores_the_same_by_id_and_from_a_folder(tmp_path, request, via):
+def test_shipped_model_loads_and_scores_the_same_by_id_and_from_a_folder(shipped, via):
     """The repo root is a Hub model repo. By id through the offline cache, with and without trust_remote_code, the
     first 8 held-out windows score exactly as from a plain local folder (the same files, the same code, one thread).
     From a local folder (as after `hf download --local-dir`) both load the same model: the fused NLL of those windows
     agrees with stock's, whose NLL over every window is the one recorded at training time
     (`test_heldout_nll_matches_report`)."""
-    if via == "repo-id":
-        make_hub_snapshot(REPO, tmp_path / "hub", "test-org/qwen35-fused-tiny", files=ROOT_FILES)
-        (result,) = _root_probe(tmp_path, "test-org/qwen35-fused-tiny", ["AutoModelForCausalLM"], windows=8)
-    else:
-        result = request.getfixturevalue("local_folder")["AutoModelForCausalLM"]
+    result = shipped[via]["AutoModelForCausalLM"]
     fused, stock = result["True"], result["False"]
     assert fused["class"] == "Qwen3_5FusedForCausalLM" and stock["class"] == "Qwen3_5ForCausalLM"
     for r in (fused, stock):
@@ -226,13 +226,14 @@ def test_shipped_model_loads_and_scores_the_same_by_id_and_from_a_folder(tmp_pat
         assert fused["nll"]["windows"] == stock["nll"]["windows"] >= 7
         assert abs(fused["nll"]["nll_per_token"] - stock["nll"]["nll_per_token"]) <= 1e-5 * stock["nll"]["nll_per_token"]
         return
-    local = request.getfixturevalue("local_folder")["AutoModelForCausalLM"]
+    local = shipped["local-folder"]["AutoModelForCausalLM"]
     assert fused["nll"] == local["True"]["nll"]  # the same files, the same code, one thread: the same numbers
     assert stock["nll"] == local["False"]["nll"]
+    assert fused["module"] != local["True"]["module"]  # each load ran its own copy of the remote code
 
 
-def test_shipped_model_loads_as_image_text_to_text_from_local_folder(local_folder):
-    result = local_folder["AutoModelForImageTextToText"]
+def test_shipped_model_loads_as_image_text_to_text_from_local_folder(shipped):
+    result = shipped["local-folder"]["AutoModelForImageTextToText"]
     assert result["True"]["class"] == "Qwen3_5FusedForConditionalGeneration"
     assert result["False"]["class"] == "Qwen3_5ForConditionalGeneration"
     assert not result["True"]["missing"] and not result["True"]["unexpected"]

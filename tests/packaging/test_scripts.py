@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import fused_on_cpu, generate_mod, hidden_modules_env, modeling  # noqa: F401 - fused_on_cpu: the fixture
+from helpers import fused_on_cpu, generate_mod, modeling  # noqa: F401 - fused_on_cpu: the fixture
 from scripts import ab_decode, benchmark_latency, eval_quality, generate
 from scripts.common import import_module
 
@@ -356,18 +356,3 @@ def test_run_cuda_tests_refuses_bad_settings_and_empty_collections(tmp_path):
     res = _run_shards(tmp_path, {"CAP": "ten"})
     assert res.returncode == 2 and "got 'ten'" in res.stderr
 
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="simulates a GPU machine's run on a machine without one")
-def test_kernel_test_files_pass_without_the_interpreter(tmp_path):
-    """On a GPU machine the interpreter is off, so every test that runs our Triton kernels on CPU tensors must skip
-    (`helpers.needs_interpreter`) rather than fail. `TRITON_INTERPRET=0` gives the same situation here: a Triton
-    launch on CPU tensors without the interpreter fails, so an unmarked CPU kernel test fails this run."""
-    files = ["tests/ops"]  # every kernel test file
-    # fla hidden: our kernels do not use it, and its import (through stock's modeling module) costs ~5 s
-    env = hidden_modules_env({**os.environ, "TRITON_INTERPRET": "0"}, tmp_path / "hidden-modules", ["fla"])
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
-                          "-k", "not compile", *files], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=900)
-    tail = res.stdout[-3000:]
-    assert res.returncode == 0, tail
-    assert "CPU tensors need the Triton interpreter" in res.stdout, tail  # the marked tests skipped, by name
