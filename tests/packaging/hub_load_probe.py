@@ -1,9 +1,11 @@
 """Run in a subprocess with HF_HUB_OFFLINE=1 and a prepared cache: load each repo id with and without
 trust_remote_code and print one JSON line per pair, in order, with what came back (one process for several repos: a
-fresh interpreter costs more than the loads). Usage: hub_load_probe.py REPO_ID AUTO_CLASS [REPO_ID AUTO_CLASS ...]"""
+fresh interpreter costs more than the loads); a load that raises gives {"error": its traceback}. Usage:
+hub_load_probe.py REPO_ID AUTO_CLASS [REPO_ID AUTO_CLASS ...]"""
 
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -58,4 +60,8 @@ def probe(repo_id: str, auto_name: str) -> dict:
 
 
 for repo_id, auto_name in zip(sys.argv[1::2], sys.argv[2::2]):
-    print("RESULT " + json.dumps(probe(repo_id, auto_name)), flush=True)
+    try:
+        result = probe(repo_id, auto_name)
+    except Exception:  # a repo that must fail to load (a test's broken copy): its traceback is its result
+        result = {"error": traceback.format_exc()}
+    print("RESULT " + json.dumps(result), flush=True)

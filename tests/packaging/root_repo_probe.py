@@ -22,6 +22,7 @@ tiny = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tiny)
 
 full = (REPO / "data" / "heldout.txt").read_text()
+README_PROMPT = "def add(a, b):"
 
 
 def heldout_text(tokenizer, n: str) -> str:
@@ -49,6 +50,13 @@ def probe(target: str, auto_names: list[str], window_spec: list[str]) -> None:
                                   "missing": sorted(info["missing_keys"]),
                                   "unexpected": sorted(info["unexpected_keys"]),
                                   "nll": nll, "fused_kernels": getattr(model.config, "fused_kernels", None)}
+            if auto_name == "AutoModelForCausalLM":  # the README's CPU user: plain generate, nothing wrapped
+                ids = tokenizer(README_PROMPT, return_tensors="pt")
+                with torch.no_grad():
+                    out = model.generate(**ids, max_new_tokens=6, do_sample=False)
+                result[str(trust)]["generated"] = out[0].tolist()
+                if trust:
+                    result[str(trust)]["reason"] = model.describe()["layers"]["linear_attention"]["reason"]
         print("RESULT " + json.dumps(result), flush=True)
 
 

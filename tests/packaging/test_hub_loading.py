@@ -41,6 +41,7 @@ def _probe_many(tmp_path, pairs, hide=("fla",)):
 
 
 def _check(result, fused_class, stock_class):
+    assert "error" not in result, result.get("error")
     fused, stock = result["True"], result["False"]
     assert fused["class"] == fused_class and stock["class"] == stock_class
     assert not fused["module"].startswith("transformers.models"), fused["module"]  # remote code really ran
@@ -84,7 +85,7 @@ def _moe_repo(root: Path, composite: bool, layout: str) -> str:
     return repo_id
 
 
-TEXT_ID, COMPOSITE_ID = "test-org/tiny-qwen35-text", "test-org/tiny-qwen35"
+TEXT_ID, COMPOSITE_ID, BROKEN_ID = "test-org/tiny-qwen35-text", "test-org/tiny-qwen35", "test-org/broken"
 MOE_CASES = [(False, "AutoModelForCausalLM", "Qwen3_5MoeFusedForCausalLM", "Qwen3_5MoeForCausalLM"),
              (True, "AutoModelForCausalLM", "Qwen3_5MoeFusedForCausalLM", "Qwen3_5MoeForCausalLM"),
              (True, "AutoModelForImageTextToText", "Qwen3_5MoeFusedForConditionalGeneration",
@@ -113,6 +114,11 @@ def offline_repos(tmp_path_factory):
         for composite_moe in (False, True):
             repo_id = _moe_repo(root, composite_moe, layout)
             pairs += [(repo_id, auto) for c, auto, _, _ in MOE_CASES if c == composite_moe]
+    # the text repo without fused_ops.py, last: it must fail to load
+    shutil.copytree(root / "src" / "text", root / "src" / "broken")
+    (root / "src" / "broken" / "fused_ops.py").unlink()
+    make_hub_snapshot(root / "src" / "broken", root / "hub", BROKEN_ID)
+    pairs.append((BROKEN_ID, "AutoModelForCausalLM"))
     results, stderr = _probe_many(root, pairs, hide=("triton", "fla"))
     return dict(zip(pairs, results)), stderr
 
@@ -155,20 +161,12 @@ def test_moe_repo_by_id_offline(offline_repos, layout, composite, auto_name, fus
     assert result["True"]["describe"]["ops"] == "stock transformers forward"  # the MoE block, on CPU: stock
 
 
-def test_missing_code_file_is_caught(tmp_path):
+def test_missing_code_file_is_caught(offline_repos):
     """A snapshot without fused_ops.py (a file the relative imports need) must fail to load, proving the check
     above would catch a file the Hub copy left out."""
-    torch.manual_seed(0)
-    model = modeling.Qwen3_5FusedForCausalLM(configuration.Qwen3_5FusedTextConfig(**composite_kwargs()["text_config"]))
-    _write_repo(model, tmp_path / "src", AUTO_MAP_TEXT)
-    (tmp_path / "src" / "fused_ops.py").unlink()
-    make_hub_snapshot(tmp_path / "src", tmp_path / "hub", "test-org/broken")
-    env = offline_env(tmp_path / "hub", tmp_path / "modules")
-    proc = subprocess.run([sys.executable, str(PROBE), "test-org/broken", "AutoModelForCausalLM"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    result = offline_repos[0][(BROKEN_ID, "AutoModelForCausalLM")]
     # transformers resolves the relative import `from .fused_ops import ...` and fails to find the file offline
-    assert proc.returncode != 0
-    assert "get_cached_module_file" in proc.stderr and "OSError" in proc.stderr, proc.stderr[-2000:]
+    assert "get_cached_module_file" in result.get("error", "") and "OSError" in result["error"], result
 
 
 ROOT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -179,7 +177,8 @@ ROOT_PROBE = Path(__file__).with_name("root_repo_probe.py")
 def _root_probe(tmp_path, loads):
     """`root_repo_probe.py` on each (target, Auto classes, windows) of `loads`, all in one fresh process on the
     offline cache under `tmp_path`: for each load, its results in the order of its Auto classes."""
-    env = offline_env(tmp_path / "hub", tmp_path / "modules")
+    # a CPU user's install, as the README sets it up: no fla (offline_env hides it), no Triton interpreter
+    env = {k: v for k, v in offline_env(tmp_path / "hub", tmp_path / "modules").items() if k != "TRITON_INTERPRET"}
     args = [x for target, autos, windows in loads for x in (target, ",".join(autos), str(windows))]
     proc = subprocess.run([sys.executable, str(ROOT_PROBE), *args], env=env, capture_output=True, text=True,
                           timeout=900)
@@ -230,6 +229,29 @@ def test_shipped_model_loads_and_scores_the_same_by_id_and_from_a_folder(shipped
     assert fused["nll"] == local["True"]["nll"]  # the same files, the same code, one thread: the same numbers
     assert stock["nll"] == local["False"]["nll"]
     assert fused["module"] != local["True"]["module"]  # each load ran its own copy of the remote code
+
+
+def _requirement_names(path: Path) -> list[str]:
+    lines = [l.split("#", 1)[0].split(";", 1)[0].strip() for l in path.read_text().splitlines()]
+    return [l if l.startswith("-") else l.split(">")[0].split("=")[0].split("<")[0].strip() for l in lines if l]
+
+
+def test_readme_cpu_setup_loads_the_model_as_stock_and_fused(shipped):
+    """A CPU user following the README never hits a crash: its setup command installs requirements.txt, which leaves
+    out flash-linear-attention (stock transformers sends CPU tensors into fla's kernels when it is installed), so the
+    repo loaded without remote code, stock's own code untouched, generates; requirements-gpu.txt adds fla. The
+    `shipped` process is that install (fla unimportable, no Triton interpreter) and generates with both loads."""
+    readme = (REPO / "README.md").read_text()
+    assert ".venv/bin/pip install -r requirements.txt\n" in readme and "requirements-gpu.txt" in readme
+    assert "flash-linear-attention" not in _requirement_names(REPO / "requirements.txt")
+    assert _requirement_names(REPO / "requirements-gpu.txt") == ["-r requirements.txt", "flash-linear-attention"]
+    result = shipped["local-folder"]["AutoModelForCausalLM"]
+    fused, stock = result["True"], result["False"]
+    assert (fused["class"], stock["class"]) == ("Qwen3_5FusedForCausalLM", "Qwen3_5ForCausalLM")
+    if not torch.cuda.is_available():  # the fused model's one line names the missing GPU, not the absent fla
+        assert fused["reason"] == "no CUDA device is available", fused["reason"]
+    assert fused["generated"] == stock["generated"]
+    assert len(stock["generated"]) > 6
 
 
 def test_shipped_model_loads_as_image_text_to_text_from_local_folder(shipped):
