@@ -8,7 +8,8 @@
   `triton.jit` decorates anything, so it is set here, before any test module imports `fused_ops`.
 - transformers' own tests (tests/upstream) run in subprocesses, started when collection ends so that they overlap
   with the rest of the suite; the test waits for them, and the session's end stops any still running. The sm_90
-  compile checks of the kernel test files (`helpers.compile_for_sm90`) start the same way, in one process.
+  compile checks of the kernel test files (`helpers.compile_for_sm90`) start the same way, in one process, and so do
+  the loading probes that a test module lists in `PRESTART` (tests/packaging/test_hub_loading.py).
 """
 
 import os
@@ -108,7 +109,8 @@ _stops = []  # what ends the other background work at the session's end
 def pytest_collection_finish(session):
     """When the session will run the upstream comparison (tests/upstream), start its subprocess runs now
     (`start_runs`), so they overlap with the rest of the suite instead of running after it; likewise the sm_90
-    compiles of the selected `*_for_sm90` tests (each module's `_SM90_CALLS`), in one background process."""
+    compiles of the selected `*_for_sm90` tests (each module's `_SM90_CALLS`), in one background process, and the
+    subprocess fixtures that test modules list in `PRESTART` (`helpers.prestart`)."""
     if session.config.option.collectonly:
         return
     sm90 = []
@@ -121,6 +123,18 @@ def pytest_collection_finish(session):
 
         helpers.start_compiles_for_sm90(sm90)
         _stops.append(helpers.stop_compiles_for_sm90)
+    # test modules' subprocess fixtures (`PRESTART`) that a selected, not skipped test uses
+    prestart = {}
+    for item in session.items:
+        for name, start in (getattr(item.module, "PRESTART", None) or {}).items():
+            if name in item.fixturenames and not item.get_closest_marker("skip"):
+                prestart.setdefault(name, start)
+    if prestart:
+        import helpers
+
+        for name, start in prestart.items():
+            helpers.prestart(name, start)
+        _stops.append(helpers.stop_prestarted)
     for item in session.items:
         if item.name == _UPSTREAM_TEST and hasattr(item.module, "start_runs"):
             item.module.start_runs()

@@ -227,6 +227,41 @@ def compile_for_sm90(calls: str) -> int:
     return proc.stdout.count(" ok")
 
 
+# Subprocess work that a test module starts when collection ends (its `PRESTART`: {fixture name: start(folder) ->
+# (process, finish)}), so that it runs beside the rest of the suite; the fixture takes it over (`take_prestarted`).
+_PRESTARTED: dict = {}  # fixture name -> (process, finish, folder)
+
+
+def prestart(name: str, start) -> None:
+    """Run `start` in a fresh temporary folder now (the RNG state kept as it was), keeping its (process, finish)."""
+    import tempfile
+
+    if name in _PRESTARTED:
+        return
+    folder = Path(tempfile.mkdtemp(prefix=f"qwen35-{name}-"))
+    with torch.random.fork_rng():
+        proc, finish = start(folder)
+    _PRESTARTED[name] = (proc, finish, folder)
+
+
+def take_prestarted(name: str):
+    """The (process, finish) that `prestart` started for the fixture `name`, or None."""
+    entry = _PRESTARTED.get(name)
+    return entry[:2] if entry else None
+
+
+def stop_prestarted() -> None:
+    """At the session's end: kill what is still running and remove the folders."""
+    import shutil
+
+    for proc, _, folder in _PRESTARTED.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+    _PRESTARTED.clear()
+
+
 def stock_text_config(**overrides):
     from transformers import Qwen3_5TextConfig
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import AUTO_MAP_COMPOSITE, AUTO_MAP_TEXT, CODE_FILES, composite_kwargs, configuration, make_hub_snapshot, modeling, offline_env
-from helpers import AUTO_MAP_MOE_COMPOSITE, AUTO_MAP_MOE_TEXT, moe_composite_kwargs
+from helpers import AUTO_MAP_MOE_COMPOSITE, AUTO_MAP_MOE_TEXT, moe_composite_kwargs, take_prestarted
 
 REPO = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("hub_load_probe.py")
@@ -27,17 +27,23 @@ def _write_repo(model, folder: Path, auto_map: dict) -> None:
         shutil.copy2(REPO / name, folder / name)
 
 
-def _probe_many(tmp_path, pairs, hide=("fla",)):
-    """Load each (repo id, Auto class) in `pairs` with and without remote code, in one fresh process on the offline
-    cache under `tmp_path` (the modules in `hide` unimportable there); returns their results in order, and the
-    process's stderr."""
+def _start_probe_many(tmp_path, pairs, hide=("fla",)):
+    """Start loading each (repo id, Auto class) in `pairs` with and without remote code, in one fresh process on the
+    offline cache under `tmp_path` (the modules in `hide` unimportable there). Returns (the process, a function that
+    waits for it and returns its results in order and its stderr)."""
     env = offline_env(tmp_path / "hub", tmp_path / "modules", hide=hide)
     args = [x for pair in pairs for x in pair]
-    proc = subprocess.run([sys.executable, str(PROBE), *args], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert len(lines) == len(pairs), proc.stdout[-2000:]
-    return [json.loads(line[len("RESULT "):]) for line in lines], proc.stderr
+    proc = subprocess.Popen([sys.executable, str(PROBE), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+    def finish():
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-4000:]
+        lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+        assert len(lines) == len(pairs), out[-2000:]
+        return [json.loads(line[len("RESULT "):]) for line in lines], err
+
+    return proc, finish
 
 
 def _check(result, fused_class, stock_class):
@@ -92,14 +98,12 @@ MOE_CASES = [(False, "AutoModelForCausalLM", "Qwen3_5MoeFusedForCausalLM", "Qwen
               "Qwen3_5MoeForConditionalGeneration")]
 
 
-@pytest.fixture(scope="module")
-def offline_repos(tmp_path_factory):
+def _start_offline_repos(root: Path):
     """The dense text and composite repos and the MoE repos (text and composite, both expert layouts) in one offline
     cache, each loaded by every Auto class its tests use, all in one fresh process (several repos' remote code side by
     side in one process, as a user who loads two of them has), where triton and fla cannot be imported (on CPU the
     fused classes run stock's code either way; the README's CPU setup, with triton, has its own test). Returns
-    ({(repo id, Auto class): result}, stderr)."""
-    root = tmp_path_factory.mktemp("offline-repos")
+    ({(repo id, Auto class): result}, stderr) through `_start_probe_many`'s (process, finish), built under `root`."""
     torch.manual_seed(0)
     text = modeling.Qwen3_5FusedForCausalLM(configuration.Qwen3_5FusedTextConfig(**composite_kwargs()["text_config"]))
     _write_repo(text, root / "src" / "text", AUTO_MAP_TEXT)
@@ -119,8 +123,21 @@ def offline_repos(tmp_path_factory):
     (root / "src" / "broken" / "fused_ops.py").unlink()
     make_hub_snapshot(root / "src" / "broken", root / "hub", BROKEN_ID)
     pairs.append((BROKEN_ID, "AutoModelForCausalLM"))
-    results, stderr = _probe_many(root, pairs, hide=("triton", "fla"))
-    return dict(zip(pairs, results)), stderr
+    proc, finish = _start_probe_many(root, pairs, hide=("triton", "fla"))
+
+    def results():
+        found, stderr = finish()
+        return dict(zip(pairs, found)), stderr
+
+    return proc, results
+
+
+@pytest.fixture(scope="module")
+def offline_repos(tmp_path_factory):
+    """`_start_offline_repos`'s results, from the process tests/conftest.py started when collection ended (`PRESTART`)
+    or, where it did not, started now."""
+    started = take_prestarted("offline_repos") or _start_offline_repos(tmp_path_factory.mktemp("offline-repos"))
+    return started[1]()
 
 
 def test_remote_code_imports_without_triton_and_fla(offline_repos):
@@ -174,39 +191,62 @@ ROOT_FILES = ("config.json", "generation_config.json", "model.safetensors", "tok
 ROOT_PROBE = Path(__file__).with_name("root_repo_probe.py")
 
 
-def _root_probe(tmp_path, loads):
-    """`root_repo_probe.py` on each (target, Auto classes, windows) of `loads`, all in one fresh process on the
-    offline cache under `tmp_path`: for each load, its results in the order of its Auto classes."""
+def _start_root_probe(tmp_path, loads):
+    """Start `root_repo_probe.py` on each (target, Auto classes, windows) of `loads`, all in one fresh process on the
+    offline cache under `tmp_path`. Returns (the process, a function that waits for it and returns, for each load,
+    its results by Auto class)."""
     # a CPU user's install, as the README sets it up: no fla (offline_env hides it), no Triton interpreter
     env = {k: v for k, v in offline_env(tmp_path / "hub", tmp_path / "modules").items() if k != "TRITON_INTERPRET"}
     args = [x for target, autos, windows in loads for x in (target, ",".join(autos), str(windows))]
-    proc = subprocess.run([sys.executable, str(ROOT_PROBE), *args], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert len(lines) == sum(len(autos) for _, autos, _ in loads), proc.stdout[-2000:]
-    out = []
-    for _, autos, _ in loads:
-        out.append(dict(zip(autos, lines[: len(autos)])))
-        lines = lines[len(autos):]
-    return out
+    proc = subprocess.Popen([sys.executable, str(ROOT_PROBE), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+    def finish():
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-4000:]
+        lines = [json.loads(l[len("RESULT "):]) for l in out.splitlines() if l.startswith("RESULT ")]
+        assert len(lines) == sum(len(autos) for _, autos, _ in loads), out[-2000:]
+        found = []
+        for _, autos, _ in loads:
+            found.append(dict(zip(autos, lines[: len(autos)])))
+            lines = lines[len(autos):]
+        return found
+
+    return proc, finish
 
 
-@pytest.fixture(scope="module")
-def shipped(tmp_path_factory):
+def _start_shipped(tmp: Path):
     """The repo root as a Hub repo: its files copied to a plain folder (as after `hf download --local-dir`) and to an
     offline Hub cache as `test-org/qwen35-fused-tiny`, loaded in one process: the folder by AutoModelForCausalLM
     (scoring the first 8 held-out windows) and AutoModelForImageTextToText, the repo id by AutoModelForCausalLM
-    (the same 8 windows). Returns {"local-folder": {Auto class: result}, "repo-id": {...}}."""
-    tmp = tmp_path_factory.mktemp("shipped")
+    (the same 8 windows). Returns (the process, a function giving {"local-folder": {Auto class: result},
+    "repo-id": {...}})."""
     target = tmp / "local"
     target.mkdir()
     for name in ROOT_FILES:
         shutil.copy2(REPO / name, target / name)
     make_hub_snapshot(REPO, tmp / "hub", "test-org/qwen35-fused-tiny", files=ROOT_FILES)
-    local, by_id = _root_probe(tmp, [(str(target), ["AutoModelForCausalLM", "AutoModelForImageTextToText"], 8),
-                                     ("test-org/qwen35-fused-tiny", ["AutoModelForCausalLM"], 8)])
-    return {"local-folder": local, "repo-id": by_id}
+    proc, finish = _start_root_probe(tmp, [
+        (str(target), ["AutoModelForCausalLM", "AutoModelForImageTextToText"], 8),
+        ("test-org/qwen35-fused-tiny", ["AutoModelForCausalLM"], 8)])
+
+    def results():
+        local, by_id = finish()
+        return {"local-folder": local, "repo-id": by_id}
+
+    return proc, results
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    """`_start_shipped`'s results (prestarted by tests/conftest.py, or started now)."""
+    started = take_prestarted("shipped") or _start_shipped(tmp_path_factory.mktemp("shipped"))
+    return started[1]()
+
+
+# Started by tests/conftest.py when collection ends, each in its own temporary folder, so that their processes run
+# beside the rest of the suite instead of stalling it (the fixtures above take them over).
+PRESTART = {"offline_repos": _start_offline_repos, "shipped": _start_shipped}
 
 
 @pytest.mark.parametrize("via", ["repo-id", "local-folder"])
