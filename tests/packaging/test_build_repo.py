@@ -354,22 +354,41 @@ def test_layout_detection():
         build_repo.detect_layout({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
 
 
-def test_built_repos_load_by_id_offline(text_build, composite_build, tmp_path):
-    """One subprocess (imports are slow) runs tests/packaging/hub_load_probe.py for each repo id: trust_remote_code loads the
-    fused class, without it the stock class; both without missing keys and with the same logits."""
-    make_hub_snapshot(text_build[0], tmp_path / "hub", "test-org/tiny-fused")
-    make_hub_snapshot(composite_build[0], tmp_path / "hub", "test-org/tiny-vl-fused")
+_EXAMPLE_MARK = "=== the card's example ==="
+
+
+@pytest.fixture(scope="module")
+def built_by_id(text_build, composite_build, tmp_path_factory):
+    """One subprocess (imports are slow) on an offline cache holding both built repos: tests/packaging/hub_load_probe.py
+    for each repo id, then the text repo's card example, its Python block copied as is, on CPU. Returns (the probe's
+    results, the example's stdout)."""
+    tmp = tmp_path_factory.mktemp("built_by_id")
+    make_hub_snapshot(text_build[0], tmp / "hub", "test-org/tiny-fused")
+    make_hub_snapshot(composite_build[0], tmp / "hub", "test-org/tiny-vl-fused")
+    card = (text_build[0] / "README.md").read_text()
+    example = card.split("```python\n", 1)[1].split("```", 1)[0]
     runs = [("test-org/tiny-fused", "AutoModelForCausalLM"),
             ("test-org/tiny-vl-fused", "AutoModelForImageTextToText"),
             ("test-org/tiny-vl-fused", "AutoModelForCausalLM")]
     code = ("import runpy, sys\n"
             f"for args in {runs!r}:\n"
             "    sys.argv = ['hub_load_probe.py', *args]\n"
-            f"    runpy.run_path({str(PROBE)!r}, run_name='__main__')\n")
-    env = offline_env(tmp_path / "hub", tmp_path / "modules")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+            f"    runpy.run_path({str(PROBE)!r}, run_name='__main__')\n"
+            f"print({_EXAMPLE_MARK!r}, flush=True)\n"
+            f"exec(compile({example!r}, 'card-example', 'exec'), {{'__name__': '__main__'}})\n")
+    env = offline_env(tmp / "hub", tmp / "modules")
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    probe_out, example_out = proc.stdout.split(_EXAMPLE_MARK + "\n", 1)
+    results = [json.loads(l[len("RESULT "):]) for l in probe_out.splitlines() if l.startswith("RESULT ")]
+    return results, example_out
+
+
+def test_built_repos_load_by_id_offline(built_by_id):
+    """By repo id through the offline cache: trust_remote_code loads the fused class, without it the stock class; both
+    without missing keys and with the same logits."""
+    results, _ = built_by_id
     expected = [("Qwen3_5FusedForCausalLM", "Qwen3_5ForCausalLM"),
                 ("Qwen3_5FusedForConditionalGeneration", "Qwen3_5ForConditionalGeneration"),
                 ("Qwen3_5FusedForCausalLM", "Qwen3_5ForCausalLM")]  # a stock Qwen3_5ForCausalLM loads both
@@ -727,15 +746,7 @@ def test_card_has_what_a_user_needs(text_build, composite_build):
         assert "<commit sha>" not in card and 'device_map="cuda"' not in card
 
 
-def test_card_usage_example_runs_as_written_on_cpu(text_build, tmp_path):
-    """The card's Python block, copied as is, run on CPU against the repo id (an offline Hub cache)."""
-    out, _ = text_build
-    card = (out / "README.md").read_text()
-    example = card.split("```python\n", 1)[1].split("```", 1)[0]
-    make_hub_snapshot(out, tmp_path / "hub", "test-org/tiny-fused")
-    env = offline_env(tmp_path / "hub", tmp_path / "modules")
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run([sys.executable, "-c", example], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "'mlp'" in proc.stdout  # model.describe()["layers"] was printed
+def test_card_usage_example_runs_as_written_on_cpu(built_by_id):
+    """The card's Python block, copied as is, run on CPU against the repo id (an offline Hub cache; `built_by_id`)."""
+    _, example_out = built_by_id
+    assert "'mlp'" in example_out  # model.describe()["layers"] was printed
