@@ -91,7 +91,7 @@ def pytest_runtest_protocol(item, nextitem):
     import helpers
 
     ops = TESTS / "ops"
-    unmarked = Path(str(item.fspath)).is_relative_to(ops) and not any(
+    unmarked = Path(item.path).is_relative_to(ops) and not any(
         m.kwargs.get("reason") == helpers.INTERPRETER_REASON for m in item.iter_markers("skipif"))
     if unmarked:
         _unmarked_test.append(item.nodeid)
