@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scripts.benchmark_latency import CompileLog
 from scripts.common import (
     code_files,
     import_module,
@@ -97,33 +98,24 @@ def assert_exact(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(got, want), f"{name}: not bit-exact, max abs diff {(got.double() - want.double()).abs().max()}"
 
 
-class TritonCompiles:
-    """Counts, inside a `with` block, the Triton compiles of this repo's kernels (Triton's JIT hooks), by kernel name:
-    `self.ours`. A compile is what a new shape costs the user at its first call; a kernel that Triton takes from its
-    in-memory cache does not count."""
-
-    def __init__(self):
-        import triton
-
-        self._triton = triton
-        self._names = {name for module in OPS_MODULES for name, value in vars(module).items()
-                       if isinstance(value, triton.runtime.JITFunction)}
-        self.ours: dict[str, int] = {}
+class TritonCompiles(CompileLog):
+    """The benchmark's `CompileLog` (Triton's JIT hooks) restricted to this repo's kernels: `self.ours` = {kernel name:
+    compiles inside the `with` block}. A compile is what a new shape costs the user at its first call; a kernel that
+    Triton takes from its in-memory cache does not count. Fails, rather than counting nothing, where another hook is
+    installed."""
 
     def __enter__(self):
-        runtime = self._triton.knobs.runtime
-        assert runtime.jit_cache_hook is None, "another Triton JIT hook is installed"
-        runtime.jit_cache_hook = self._hook
+        super().__enter__()
+        assert self._runtime is not None, "no Triton JIT hooks here, or another hook is installed"
         return self
 
-    def __exit__(self, *exc):
-        self._triton.knobs.runtime.jit_cache_hook = None
-        return False
+    @property
+    def ours(self) -> dict[str, int]:
+        import triton
 
-    def _hook(self, *, fn, **_):
-        if fn.name in self._names:
-            self.ours[fn.name] = self.ours.get(fn.name, 0) + 1
-        return False  # compile as usual
+        names = {name for module in OPS_MODULES for name, value in vars(module).items()
+                 if isinstance(value, triton.runtime.JITFunction)}
+        return {name: n for name, (n, _) in self.by_kernel.items() if name in names}
 
 
 # The kernels as they will be compiled on the H200 (sm_90): every pointer 16-byte aligned and every stride but the
