@@ -72,8 +72,14 @@ def prefill_into(cache):
         _PREFILL_TARGET.reset(token)
 
 
-def pack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def _padded_rows(rows: int, multiple: int) -> int:
+    return -(-rows // multiple) * multiple
+
+
+def pack_linears(linears: list[nn.Linear], row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Pack the weights (and biases) of ``linears`` into one ``[sum(out), in]`` matrix; each Linear keeps a view.
+    With ``row_multiple`` > 1 the matrix gets zero rows after the last Linear's, up to a multiple of it (an output
+    row of a multiple of 8 bf16 values keeps cuBLAS on its aligned kernels: the MoE group has 2 I + E + 1 rows).
 
     Returns ``(weight, bias)`` (``bias`` None when the Linears have none), or None while the weights are on the meta
     device (not materialised yet: loading packs afterwards)."""
@@ -81,8 +87,14 @@ def pack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     if any(w.device.type == "meta" for w in weights):
         return None
     has_bias = linears[0].bias is not None
-    fused_w = torch.cat([w.detach() for w in weights], dim=0)
-    fused_b = torch.cat([lin.bias.detach() for lin in linears], dim=0) if has_bias else None
+    rows = sum(w.shape[0] for w in weights)
+    pad = _padded_rows(rows, row_multiple) - rows
+    parts = [w.detach() for w in weights] + ([weights[0].new_zeros(pad, weights[0].shape[1])] if pad else [])
+    fused_w = torch.cat(parts, dim=0)
+    fused_b = None
+    if has_bias:
+        biases = [lin.bias.detach() for lin in linears]
+        fused_b = torch.cat(biases + ([biases[0].new_zeros(pad)] if pad else []), dim=0)
     start = 0
     for lin in linears:
         rows = lin.weight.shape[0]
@@ -93,7 +105,7 @@ def pack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     return fused_w, fused_b
 
 
-def _is_packed(linears: list[nn.Linear], packed) -> bool:
+def _is_packed(linears: list[nn.Linear], packed, row_multiple: int = 1) -> bool:
     """Whether the Linears' parameters are still the row views of ``packed`` (two pointer reads per Linear)."""
     if packed is None:
         return False
@@ -106,7 +118,7 @@ def _is_packed(linears: list[nn.Linear], packed) -> bool:
         if fused_b is not None and lin.bias.data_ptr() != fused_b[start].data_ptr():
             return False
         start += w.shape[0]
-    return start == fused_w.shape[0]
+    return _padded_rows(start, row_multiple) == fused_w.shape[0]
 
 
 class _FusedModule:
@@ -114,6 +126,7 @@ class _FusedModule:
 
     _fused_kind = "module"
     _fused_group: tuple[str, ...] = ()  # submodule paths whose `weight` rows are packed, in this order
+    _fused_row_multiple = 1  # the packed matrix's rows padded with zeros to a multiple of this (`pack_linears`)
 
     def _init_fused(self, plan: FusedPlan) -> None:
         self.plan = plan
@@ -133,8 +146,8 @@ class _FusedModule:
         not the views of the current one (first use, a move, a load, ``load_state_dict(..., assign=True)``, a
         parameter set by hand), so the fused GEMM never reads a stale copy."""
         linears = [self.get_submodule(name) for name in self._fused_group]
-        if not _is_packed(linears, self._packed):
-            self._packed = pack_linears(linears)
+        if not _is_packed(linears, self._packed, self._fused_row_multiple):
+            self._packed = pack_linears(linears, self._fused_row_multiple)
         return self._packed
 
 

@@ -16,6 +16,10 @@ The block, on the fused path, for tokens ``x`` [T, H]:
 4. ``moe_experts``: the routed experts on the tokens that picked them, weighted and summed, plus
    ``sigmoid(shared_gate) * shared``.
 
+For one token (``fused_ops.moe_shared_in_slots``: batch-1 decode, the shared expert as wide as a routed one) the
+GEMM of step 1 reads only the router and shared-gate rows (a slice of the packed matrix: no copy) and ``moe_experts``
+runs the shared expert as one more slot of its two GEMVs, so steps 3-4 are two launches, not four.
+
 Stock replaced: ``Qwen3_5MoeSparseMoeBlock.forward`` (four separate linears, the router's softmax / top-k, the
 experts' loop over the experts hit with its host sync, the shared-expert gate). The fused decode step runs the same
 block with every linear by ``small_linear`` and no host sync (:meth:`FusedSparseMoeBlock.decode_step`).
@@ -33,11 +37,13 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSpars
 
 from .fused_decode import step_linear
 from .fused_layers import FusedDecoderLayer, _FusedModule
+from .fused_ops import moe_shared_in_slots
 from .fused_plan import FusedPlan
 
 FUSED_MOE_OPS = (
     "1 GEMM (shared gate|up | router | shared-expert gate) + moe_route (softmax, top-k, renormalise) + SwiGLU + shared "
-    "down projection + moe_experts (routed experts, weighted sum, plus the gated shared expert)"
+    "down projection + moe_experts (routed experts, weighted sum, plus the gated shared expert); one token: "
+    "1 GEMV (router | shared-expert gate) + moe_route + moe_experts (the shared expert a slot of its 2 GEMVs)"
 )
 
 
@@ -65,33 +71,40 @@ class FusedSparseMoeBlock(_FusedModule, Qwen3_5MoeSparseMoeBlock):
 
     _fused_kind = "moe"
     _fused_group = ("shared_expert.gate_proj", "shared_expert.up_proj", "gate", "shared_expert_gate")
+    # 2 I_shared + E + 1 rows (1,281 at 35B-A3B): unpadded, the projection's odd row stride sends cuBLAS to an
+    # unaligned sm75 kernel (138 us of a 2,048-token prefill's layer on the H200, against ~10 us aligned)
+    _fused_row_multiple = 8
 
     def __init__(self, config, plan: FusedPlan):
         super().__init__(config)
         self.gate = FusedTopKRouter(config, plan)  # stock's router, the same parameter (built once more: tiny)
         self._init_fused(plan)
 
-    def _split(self, proj: torch.Tensor):
-        """The packed projection [T, 2 * I_shared + E + 1] as (shared gate|up, router logits, shared gate logit)."""
-        inter = self.shared_expert.intermediate_size
-        return torch.split(proj, [2 * inter, self.gate.num_experts, 1], dim=-1)
-
-    def _combine(self, ops, x: torch.Tensor, proj: torch.Tensor, linear) -> torch.Tensor:
-        """Steps 2-4 of the module docstring for tokens ``x`` [T, H] and their packed projection ``proj``; ``linear``
-        runs the shared down projection (``F.linear``, or ``small_linear`` in the decode step)."""
-        shared_gate_up, logits, shared_gate = self._split(proj)
+    def _run(self, ops, x: torch.Tensor, linear) -> torch.Tensor:
+        """The block on tokens ``x`` [T, H] -> [T, H] (the module docstring's steps); ``linear(a, weight)`` runs its
+        dense projections (``F.linear``, or the decode step's ``small_linear``)."""
+        w, _ = self.packed_weight()  # [2 * I_shared + E + 1 (+ zero rows), H]: shared gate|up, router, shared gate
+        inter, E = self.shared_expert.intermediate_size, self.gate.num_experts
+        experts, down_s = self.experts, self.shared_expert.down_proj.weight
+        if moe_shared_in_slots(x.shape[0], experts.down_proj.shape[2], inter):
+            proj = linear(x, w[2 * inter:])  # [T, E + 1 (+ zeros)] router logits, shared gate logit
+            logits, shared_gate = proj[:, :E], proj[:, E : E + 1]
+            _, weights, ids = self.gate(x, logits=logits)
+            return ops.moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, shared_gate=shared_gate,
+                                   shared_experts=(w[: 2 * inter], down_s))
+        proj = linear(x, w)
+        shared_gate_up, logits, shared_gate = proj[:, : 2 * inter], proj[:, 2 * inter : 2 * inter + E], \
+            proj[:, 2 * inter + E : 2 * inter + E + 1]
         _, weights, ids = self.gate(x, logits=logits)
-        shared = linear(ops.swiglu(shared_gate_up), self.shared_expert.down_proj.weight)
-        return ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, shared,
-                               shared_gate)
+        shared = linear(ops.swiglu(shared_gate_up), down_s)
+        return ops.moe_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids, shared, shared_gate)
 
     def forward(self, hidden_states):
         if not self.plan.runs(self._fused_kind):
             return super().forward(hidden_states)
         batch, seq_len, hidden = hidden_states.shape
         x = hidden_states.reshape(-1, hidden)  # [T, H]
-        w, _ = self.packed_weight()
-        return self._combine(self.plan.ops, x, F.linear(x, w), F.linear).view(batch, seq_len, hidden)
+        return self._run(self.plan.ops, x, F.linear).view(batch, seq_len, hidden)
 
     def add_to(self, residual, x):
         """``residual + self(x)``; ``residual`` is the decoder layer's fresh sum buffer (its fused norm allocated it),
@@ -102,10 +115,7 @@ class FusedSparseMoeBlock(_FusedModule, Qwen3_5MoeSparseMoeBlock):
         """The block for the decode step's one token per row, ``x`` [B, 1, H] -> [B, 1, H]: every linear by
         ``small_linear`` (cuBLAS or our GEMV, as the dense step's), no host sync (capturable)."""
         batch = x.shape[0]
-        x2 = x.view(batch, -1)
-        w, _ = self.packed_weight()
-        y = self._combine(ops, x2, ops.small_linear(x2, w), lambda a, weight: step_linear(ops, a, weight))
-        return y.view(batch, 1, -1)
+        return self._run(ops, x.view(batch, -1), lambda a, weight: step_linear(ops, a, weight)).view(batch, 1, -1)
 
 
 class FusedMoeDecoderLayer(FusedDecoderLayer):

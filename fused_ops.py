@@ -53,7 +53,7 @@ from .fused_ops_gemv import (
     small_linear_choices,
     small_linear_ref,
 )
-from .fused_ops_moe import moe_experts, moe_experts_ref, moe_route, moe_route_ref
+from .fused_ops_moe import moe_experts, moe_experts_ref, moe_route, moe_route_ref, moe_shared_in_slots
 from .fused_ops_norm import gated_rms_norm, gated_rms_norm_ref, rms_norm, rms_norm_ref, swiglu, swiglu_ref
 from .fused_ops_runtime import (
     HAS_FLA,
@@ -118,6 +118,7 @@ __all__ = [
     "moe_experts_ref",
     "moe_route",
     "moe_route_ref",
+    "moe_shared_in_slots",
     "op_set",
     "pdl_enabled",
     "prefill_rule_kernel",

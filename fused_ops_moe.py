@@ -15,8 +15,10 @@ Shape alphabet here: T tokens, H hidden size, E experts, k experts per token, I 
 """
 
 import torch
+import torch.nn.functional as F
 
 from .fused_ops_moe_gemm import moe_experts_prefill
+from .fused_ops_norm import swiglu
 from .fused_ops_runtime import (
     HAS_TRITON,
     _check_float,
@@ -159,31 +161,46 @@ def moe_route_ref(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
 # step reads the picked weights once, launches twice, never syncs and allocates only h and y (CUDA-graph safe).
 # The down kernel's program owns an H tile of one token and sums that token's k experts in a fixed order: no
 # atomics, so the result is deterministic.
+#
+# The shared expert, when its weights are handed over (`shared_experts`, an intermediate size equal to the routed
+# experts') at batch 1, is one more slot of both GEMVs (slot k, weight sigmoid(shared_gate)): the decode step then
+# launches no SwiGLU and no shared down GEMV of its own, and its router GEMV reads E + 1 rows instead of
+# 2 I_s + E + 1. Not past batch 1: each token's slot reads the shared expert again (at batch 8 seven more reads,
+# 44 MB a layer at 35B-A3B: the step measured 8.00 ms a token folded against 7.35 unfolded).
 # ---------------------------------------------------------------------------------------------------------------------
 
 _DECODE_MAX_T = 16  # a decode step of batch 1-16; more tokens take the grouped GEMMs
-# (BLOCK_N, BLOCK_K, warps) of the two GEMVs. Not tuned on an H200 yet; the reasoning: at T=1 the 35B-A3B shape
-# (k=8, I=512, H=2048) gives the gate|up GEMV k * I / 16 = 256 programs and the down GEMV H / 8 = 256, about two
-# per SM of the H200's 132, each reading 16 gate + 16 up (or 8 x k) weight rows; the [BLOCK_N, BLOCK_K] float32
-# accumulators (two for gate|up) take 64 and 32 registers a thread, within `fused_ops_gemv._GEMV_ACC_REGS`.
+# (BLOCK_N, BLOCK_K, warps) of the two GEMVs, measured inside the 35B-A3B decode step on the H200 (torch profiler,
+# per layer at batch 1 / 8): gate|up (16, 256, 4) 15 / 72 us against 20 / 97 us for (4, 512, 4); the down GEMV over
+# all k slots at once with (4, 256, 4) 9.9 / 46 us, against 12.4 / 51 us for the slot-by-slot loop it replaced
+# (8 x 512 rows a slot, k dependent loads in series). The down GEMV's [8 * 4, 256] float32 accumulator takes 64
+# registers a thread.
 _DECODE_GATE_UP = (16, 256, 4)
-_DECODE_DOWN = (8, 512, 4)
+_DECODE_DOWN = (4, 256, 4)
+
+# How the shared expert enters `moe_experts` (the kernels' SHARED constexpr)
+_NO_SHARED, _SHARED_OUTPUT, _SHARED_WEIGHTS = 0, 1, 2
 
 if HAS_TRITON:
 
     @triton.jit
     def _moe_gate_up_gemv_kernel(
-        x_ptr, w_ptr, ids_ptr, h_ptr, E, I, H, stride_xt, stride_it,
-        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+        x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, E, I, H, stride_xt, stride_it,
+        TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):
         _pdl_wait(PDL)  # ids come from the router kernel just before
-        i_p = tl.program_id(0)  # one (token, slot) pair: t * k + j
-        i_t = i_p // TOP_K
-        i_e = tl.load(ids_ptr + i_t * stride_it + i_p % TOP_K)
+        i_p = tl.program_id(0)  # one (token, slot) pair: t * SLOTS + j; slot TOP_K (if any) is the shared expert
+        i_t = i_p // SLOTS
+        i_j = i_p % SLOTS
+        i_e = tl.load(ids_ptr + i_t * stride_it + i_j, mask=i_j < TOP_K, other=0)
         i_e = tl.where((i_e >= 0) & (i_e < E), i_e, 0).to(tl.int64)  # an id outside [0, E) is dropped by the down
+        p_base = w_ptr + i_e * (2 * I * H)  # [2I, H] this slot's gate rows, then its up rows
+        if SLOTS > TOP_K:
+            if i_j == TOP_K:
+                p_base = ws_ptr  # the shared expert's gate|up [2I, H]
         o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] rows of h
         m_n = o_n < I
-        p_g = w_ptr + i_e * (2 * I * H) + o_n.to(tl.int64)[:, None] * H  # [BN, 1] gate rows; up rows I*H below
+        p_g = p_base + o_n.to(tl.int64)[:, None] * H  # [BN, 1] gate rows; up rows I*H below
         acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -201,67 +218,84 @@ if HAS_TRITON:
 
     @triton.jit
     def _moe_down_gemv_kernel(
-        h_ptr, w_ptr, wt_ptr, ids_ptr, s_ptr, sg_ptr, y_ptr, E, I, H,
+        h_ptr, w_ptr, ws_ptr, wt_ptr, ids_ptr, s_ptr, sg_ptr, y_ptr, E, I, H,
         stride_wt, stride_it, stride_st, stride_sgt, stride_yt,
-        TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        PDL: tl.constexpr,
+        TOP_K: tl.constexpr, SLOTS: tl.constexpr, SHARED: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):
         _pdl_wait(PDL)  # h comes from the gate|up kernel just before
         i_t = tl.program_id(0).to(tl.int64)  # one token
-        o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] outputs (hidden features)
-        m_n = o_n < H
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(TOP_K):  # the token's experts in slot order: a fixed summation order
-            i_e = tl.load(ids_ptr + i_t * stride_it + j)
-            valid = (i_e >= 0) & (i_e < E)
-            p_w = w_ptr + tl.where(valid, i_e, 0).to(tl.int64) * (H * I) + o_n.to(tl.int64)[:, None] * I  # [BN, 1]
-            p_h = h_ptr + (i_t * TOP_K + j) * I
-            n_k = tl.where(valid, I, 0)  # an id outside [0, E) reads nothing and adds nothing
-            acc_d = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                o_k = k0 + tl.arange(0, BLOCK_K)
-                m_k = o_k < n_k
-                b_h = tl.load(p_h + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-                acc_d += tl.load(p_w + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32) \
-                    * b_h[None, :]
-            b_d = _round_to(tl.sum(acc_d, axis=1), y_ptr.dtype.element_ty)  # the expert's down linear, rounded
-            b_wt = tl.load(wt_ptr + i_t * stride_wt + j).to(tl.float32)
-            acc += tl.where(valid, b_wt, 0.0) * b_d  # weighted and summed in float32
-        if SHARED:
-            b_sg = tl.load(sg_ptr + i_t * stride_sgt).to(tl.float32)
-            b_s = tl.load(s_ptr + i_t * stride_st + o_n, mask=m_n, other=0.0).to(tl.float32)
-            acc += b_s / (1.0 + tl.exp(-b_sg))
+        i_n = tl.program_id(1) * BLOCK_N
+        # rows r = (slot j, output n) of all TOP_K routed slots at once: their weight loads do not wait on each other
+        o_r = tl.arange(0, BLOCK_J * BLOCK_N)  # [R]
+        o_j = o_r // BLOCK_N
+        o_n = i_n + o_r % BLOCK_N  # [R] outputs (hidden features)
+        m_j = o_j < TOP_K
+        b_e = tl.load(ids_ptr + i_t * stride_it + o_j, mask=m_j, other=-1)  # [R] each row's expert
+        valid = m_j & (b_e >= 0) & (b_e < E)  # an id outside [0, E) reads nothing and adds nothing
+        m_r = valid & (o_n < H)
+        p_w = w_ptr + tl.where(valid, b_e, 0).to(tl.int64) * (H * I) + o_n.to(tl.int64) * I  # [R] down rows
+        p_h = h_ptr + (i_t * SLOTS + o_j) * I  # [R] each slot's SwiGLU output
+        o_s = i_n + tl.arange(0, BLOCK_N)  # [BN] the shared expert's rows (slot TOP_K)
+        m_s = o_s < H
+        acc = tl.zeros([BLOCK_J * BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_s = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            m_k = o_k < I
+            m = m_r[:, None] & m_k[None, :]
+            b_h = tl.load(p_h[:, None] + o_k[None, :], mask=m, other=0.0).to(tl.float32)  # [R, BK]
+            acc += tl.load(p_w[:, None] + o_k[None, :], mask=m, other=0.0).to(tl.float32) * b_h
+            if SHARED == 2:
+                b_hs = tl.load(h_ptr + (i_t * SLOTS + TOP_K) * I + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+                acc_s += tl.load(ws_ptr + o_s.to(tl.int64)[:, None] * I + o_k[None, :],
+                                 mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32) * b_hs[None, :]
         dt = y_ptr.dtype.element_ty
-        tl.store(y_ptr + i_t * stride_yt + o_n, _round_to(acc, dt).to(dt), mask=m_n)
+        b_d = _round_to(tl.sum(acc, axis=1), dt)  # [R] each slot's down linear, rounded as stock rounds it
+        b_wt = tl.load(wt_ptr + i_t * stride_wt + o_j, mask=valid, other=0.0).to(tl.float32)  # [R]
+        b_y = tl.sum(tl.reshape(b_wt * b_d, [BLOCK_J, BLOCK_N]), axis=0)  # [BN] weighted sum over the slots, fp32
+        if SHARED > 0:
+            b_sg = tl.load(sg_ptr + i_t * stride_sgt).to(tl.float32)
+            if SHARED == 2:  # slot TOP_K: the shared expert's own down linear
+                b_s = _round_to(tl.sum(acc_s, axis=1), dt)
+            else:  # its output, handed over
+                b_s = tl.load(s_ptr + i_t * stride_st + o_s, mask=m_s, other=0.0).to(tl.float32)
+            b_y += b_s / (1.0 + tl.exp(-b_sg))
+        tl.store(y_ptr + i_t * stride_yt + o_s, _round_to(b_y, dt).to(dt), mask=m_s)
 
 
-def _moe_experts_decode(x, gate_up, down, weights, ids, shared, shared_gate) -> torch.Tensor:
+def _moe_experts_decode(x, gate_up, down, weights, ids, shared, shared_gate, shared_experts) -> torch.Tensor:
     """`moe_experts` for T <= `_DECODE_MAX_T`: the two GEMVs above (inputs validated by the caller)."""
     T, H = x.shape
     E, I = down.shape[0], down.shape[2]
     k = ids.shape[1]
-    h = torch.empty(T, k, I, dtype=x.dtype, device=x.device)  # [T, k, I] each (token, slot)'s SwiGLU
+    mode = _SHARED_WEIGHTS if shared_experts is not None else _SHARED_OUTPUT if shared is not None else _NO_SHARED
+    slots = k + (mode == _SHARED_WEIGHTS)
+    h = torch.empty(T, slots, I, dtype=x.dtype, device=x.device)  # [T, slots, I] each (token, slot)'s SwiGLU
     y = torch.empty(T, H, dtype=x.dtype, device=x.device)
     gu_n, gu_k, gu_warps = _DECODE_GATE_UP
     dn_n, dn_k, dn_warps = _DECODE_DOWN
-    s, sg = (shared, shared_gate) if shared is not None else (y, y)
+    ws_gu, ws_down = shared_experts if shared_experts is not None else (gate_up, down)
+    s = shared if shared is not None else y
+    sg = shared_gate if shared_gate is not None else y
     with _device_guard(x):
         pdl = pdl_enabled(x.device)
-        _moe_gate_up_gemv_kernel[(T * k, triton.cdiv(I, gu_n))](
-            x, gate_up, ids, h, E, I, H, x.stride(0), ids.stride(0),
-            TOP_K=k, BLOCK_N=gu_n, BLOCK_K=min(gu_k, triton.next_power_of_2(H)), PDL=pdl,
+        _moe_gate_up_gemv_kernel[(T * slots, triton.cdiv(I, gu_n))](
+            x, gate_up, ws_gu, ids, h, E, I, H, x.stride(0), ids.stride(0),
+            TOP_K=k, SLOTS=slots, BLOCK_N=gu_n, BLOCK_K=min(gu_k, triton.next_power_of_2(H)), PDL=pdl,
             num_warps=gu_warps, **_pdl_launch(pdl),
         )
         _moe_down_gemv_kernel[(T, triton.cdiv(H, dn_n))](
-            h, down, weights, ids, s, sg, y, E, I, H,
+            h, down, ws_down, weights, ids, s, sg, y, E, I, H,
             weights.stride(0), ids.stride(0), s.stride(0), sg.stride(0), y.stride(0),
-            TOP_K=k, SHARED=shared is not None, BLOCK_N=dn_n, BLOCK_K=min(dn_k, triton.next_power_of_2(I)), PDL=pdl,
+            TOP_K=k, SLOTS=slots, SHARED=mode, BLOCK_J=triton.next_power_of_2(k), BLOCK_N=dn_n,
+            BLOCK_K=min(dn_k, triton.next_power_of_2(I)), PDL=pdl,
             num_warps=dn_warps, **_pdl_launch(pdl),
         )
     return y
 
 
-def _check_experts(x, gate_up, down, weights, ids, shared, shared_gate) -> None:
+def _check_experts(x, gate_up, down, weights, ids, shared, shared_gate, shared_experts) -> None:
     """`moe_experts`'s input checks: shapes, dtypes, layouts, devices; nothing that reads a value (no host sync)."""
     for name, t in (("x", x), ("gate_up", gate_up), ("down", down), ("weights", weights)):
         _check_float(name, t)
@@ -279,14 +313,28 @@ def _check_experts(x, gate_up, down, weights, ids, shared, shared_gate) -> None:
                          f"{tuple(weights.shape)} and {tuple(ids.shape)}.")
     if ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"moe_experts needs int64 or int32 ids (moe_route's), got {ids.dtype}.")
-    if (shared is None) != (shared_gate is None):
-        raise ValueError("moe_experts takes shared and shared_gate together (both or neither).")
+    if shared is not None and shared_experts is not None:
+        raise ValueError("moe_experts takes the shared expert's output (shared) or its weights (shared_experts), "
+                         "not both.")
+    if (shared is None and shared_experts is None) != (shared_gate is None):
+        raise ValueError("moe_experts takes shared_gate with shared or shared_experts, and only with them.")
     tensors = {"gate_up": gate_up, "down": down, "weights": weights}
+    if shared_gate is not None and shared_gate.shape != (T, 1):
+        raise ValueError(f"moe_experts needs shared_gate [T, 1] = {(T, 1)}, got {tuple(shared_gate.shape)}.")
     if shared is not None:
-        if shared.shape != (T, H) or shared_gate.shape != (T, 1):
-            raise ValueError(f"moe_experts needs shared [T, H] = {(T, H)} and shared_gate [T, 1] = {(T, 1)}, got "
-                             f"{tuple(shared.shape)} and {tuple(shared_gate.shape)}.")
+        if shared.shape != (T, H):
+            raise ValueError(f"moe_experts needs shared [T, H] = {(T, H)}, got {tuple(shared.shape)}.")
         tensors.update(shared=shared, shared_gate=shared_gate)
+    if shared_experts is not None:
+        gu_s, down_s = shared_experts
+        I_s = down_s.shape[-1] if down_s.dim() == 2 else -1
+        if gu_s.dim() != 2 or down_s.dim() != 2 or gu_s.shape != (2 * I_s, H) or down_s.shape != (H, I_s):
+            raise ValueError(f"moe_experts needs shared_experts = (gate_up [2*I_s, H], down [H, I_s]) with H = {H}, "
+                             f"got {tuple(gu_s.shape)} and {tuple(down_s.shape)}.")
+        if not (gu_s.is_contiguous() and down_s.is_contiguous()):
+            raise ValueError(f"moe_experts needs contiguous shared-expert weights, got strides {gu_s.stride()} and "
+                             f"{down_s.stride()}; pass .contiguous() ones.")
+        tensors.update(shared_gate_up=gu_s, shared_down=down_s, shared_gate=shared_gate)
     wrong = {name: t.dtype for name, t in tensors.items() if t.dtype != x.dtype}
     if wrong:
         raise ValueError(f"moe_experts needs every float input in x's dtype ({x.dtype}), got {wrong}; cast them.")
@@ -299,6 +347,13 @@ def _check_experts(x, gate_up, down, weights, ids, shared, shared_gate) -> None:
     _check_same_device(x=x, ids=ids, **tensors)
 
 
+def moe_shared_in_slots(T: int, I: int, I_shared: int) -> bool:
+    """Whether `moe_experts` runs the shared expert itself as one more slot of its GEMVs (`shared_experts`) for T
+    tokens: one token (see the GEMVs' comment) and the routed experts' intermediate size. The MoE block asks here
+    which projections to compute before `moe_experts` (otherwise the shared gate|up rides in its packed GEMM)."""
+    return T == 1 and I == I_shared
+
+
 def moe_experts(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -307,6 +362,7 @@ def moe_experts(
     ids: torch.Tensor,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    shared_experts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The routed experts' SwiGLU MLPs weighted and summed per token, plus the gated shared expert:
     `y[t] = sum_j weights[t, j] * down[e_j] @ (silu(g) * u) + sigmoid(shared_gate[t]) * shared[t]`, with
@@ -326,18 +382,26 @@ def moe_experts(
         ids: [T, k] int64 / int32 experts of the weights; an id outside [0, E) (an expert-parallel sentinel)
             contributes nothing. Not checked on the host: that would need a sync.
         shared: optional [T, H], the shared expert's output (stock `shared_expert(x)`), last dim contiguous.
-        shared_gate: [T, 1] with `shared`, its gate logit (stock `shared_expert_gate(x)`).
+        shared_gate: [T, 1] with `shared` or `shared_experts`, the shared expert's gate logit (stock
+            `shared_expert_gate(x)`), last dim contiguous.
+        shared_experts: optional, instead of `shared`: the shared expert's weights (gate_up [2*I_s, H], its gate
+            rows then up rows; down [H, I_s]), both contiguous; computed here as stock's `shared_expert(x)`, as one
+            more slot of the decode GEMVs where `moe_shared_in_slots` says so.
 
     Returns:
         y [T, H] contiguous in x.dtype; replaces stock `Qwen3_5MoeExperts.forward` (every experts implementation)
         and the shared-expert sum of `Qwen3_5MoeSparseMoeBlock.forward`.
     """
     _check_triton("moe_experts")
-    _check_experts(x, gate_up, down, weights, ids, shared, shared_gate)
-    if x.shape[0] == 0:
+    _check_experts(x, gate_up, down, weights, ids, shared, shared_gate, shared_experts)
+    T = x.shape[0]
+    if T == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
-    if x.shape[0] <= _DECODE_MAX_T:
-        return _moe_experts_decode(x, gate_up, down, weights, ids, shared, shared_gate)
+    if shared_experts is not None and not moe_shared_in_slots(T, down.shape[2], shared_experts[1].shape[1]):
+        gu_s, down_s = shared_experts  # stock's shared expert: its linears rounded, the SwiGLU between them
+        shared, shared_experts = F.linear(swiglu(F.linear(x, gu_s)), down_s), None
+    if T <= _DECODE_MAX_T:
+        return _moe_experts_decode(x, gate_up, down, weights, ids, shared, shared_gate, shared_experts)
     return moe_experts_prefill(x, gate_up, down, weights, ids, shared, shared_gate)
 
 
@@ -355,6 +419,7 @@ def moe_experts_ref(
     ids: torch.Tensor,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    shared_experts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Plain-torch `moe_experts`, as stock `Qwen3_5MoeExperts.forward` (the eager loop over the experts hit, in
     ascending expert order, each product rounded to x.dtype) and the shared-expert sum of
@@ -367,15 +432,21 @@ def moe_experts_ref(
         weights: [T, k] routing weights (`moe_route`), in x.dtype.
         ids: [T, k] expert of each weight, integer; an id outside [0, E) adds nothing (as in `moe_experts`).
         shared: optional [T, H], the shared expert's output (stock `shared_expert(x)`).
-        shared_gate: [T, 1] with `shared`, the shared expert's gate logit (stock `shared_expert_gate(x)`).
+        shared_gate: [T, 1] with `shared` or `shared_experts`, the shared expert's gate logit (stock
+            `shared_expert_gate(x)`).
+        shared_experts: optional, instead of `shared`: (gate_up [2*I_s, H], down [H, I_s]), the shared expert's
+            weights; its output is then computed as stock's `Qwen3_5MoeMLP`.
 
     Returns:
         y [T, H] in x.dtype: `sum_j weights[t, j] * down[e_j] @ (silu(g) * u)` with `g, u` the halves of
         `gate_up[e_j] @ x[t]`, plus `sigmoid(shared_gate) * shared` when given.
     """
     _check_routing(x, weights, ids)
+    if shared_experts is not None:
+        gate, up = F.linear(x, shared_experts[0]).chunk(2, dim=-1)
+        shared = F.linear(F.silu(gate) * up, shared_experts[1])
     if (shared is None) != (shared_gate is None):
-        raise ValueError("moe_experts takes shared and shared_gate together (both or neither).")
+        raise ValueError("moe_experts takes shared_gate with shared or shared_experts, and only with them.")
     y = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():  # sorted ascending, as stock's `expert_hit`
         if not 0 <= e < gate_up.shape[0]:  # a sentinel id adds nothing (stock skips id E; the kernels any outside)

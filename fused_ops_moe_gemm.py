@@ -39,18 +39,47 @@ if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
 # exits at once. Each program finds its expert by counting the experts whose tiles end at or before its own.
 # ---------------------------------------------------------------------------------------------------------------------
 
-# Tile shape: BLOCK_M x BLOCK_N outputs over BLOCK_K; the gate|up GEMM keeps two accumulators (gate and up), so it
-# computes a BLOCK_M x 2*BLOCK_N tile. The usual Hopper Triton GEMM tile for bf16 (64 x 128 x 64, 4 warps, 3 stages:
-# 3 x (64x64 + 2 x 64x128) x 2 B = 120 KB of shared memory for the gate|up GEMM, within the H200's 227 KB);
-# float32 halves BLOCK_K to stay within it. Not tuned on an H200 yet. BLOCK_M also bounds the waste: each expert's
-# last tile is partly empty, at most E * (BLOCK_M - 1) rows in all.
-_GEMM_BLOCK_M = 64
-_GEMM_BLOCK_N = 128
-_GEMM_BLOCK_K = 64
-_GEMM_WARPS = 4
-_GEMM_STAGES = 3
+# Tiles, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for bf16 / fp16: BLOCK_M x BLOCK_N outputs over BLOCK_K; the
+# gate|up GEMM keeps two accumulators (gate and up), so it computes a BLOCK_M x 2*BLOCK_N tile; float32 halves
+# BLOCK_K to stay within shared memory. BLOCK_M also bounds the waste: each expert's last tile is partly empty, at
+# most E * (BLOCK_M - 1) rows in all, and each tile reads its expert's weights once more (from L2 when the tiles of
+# one expert run together). `scripts/tune_moe_gemm.py` on the H200 at the 35B-A3B shape, T = 2048 (64 pairs an
+# expert on average), two runs of 10 candidates each: gate|up (64, 64, 64, 4, 4) 8-9% faster than the usual Hopper
+# tile (64, 128, 64, 4, 3) in both runs (no other candidate was); for the down GEMM no candidate beat that tile in
+# both runs.
+_GATE_UP_TILES = (64, 64, 64, 4, 4)
+_DOWN_TILES = (64, 128, 64, 4, 3)
+
+# The pairs sorted by expert, stable, in one launch. Why a kernel of our own: `torch.sort` (stable) + `searchsorted`
+# took ~60 us of a 2,048-token prefill's layer on the H200 (cub's radix sort: 10 launches over 16,384 int64 keys, then
+# the bounds); E experts need only a counting sort, and E programs that each scan the P ids twice (from L2) do it.
+_SORT_BLOCK_P = 1024
 
 if HAS_TRITON:
+
+    @triton.jit(do_not_specialize=["P"])
+    def _moe_sort_kernel(ids_ptr, order_ptr, bounds_ptr, P, E, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+        """Program e: bounds[e] = #pairs with id < e (and bounds[E] = #pairs with id < E, by program E - 1), then the
+        pairs with id == e, in pair order, written to order[bounds[e]:]: a stable counting sort by expert."""
+        _pdl_wait(PDL)  # the ids come from the router kernel just before
+        i_e = tl.program_id(0)
+        n_lt = tl.sum(tl.zeros([BLOCK_P], dtype=tl.int32), axis=0)
+        n_eq = n_lt
+        for p0 in range(0, P, BLOCK_P):
+            o_p = p0 + tl.arange(0, BLOCK_P)
+            b_id = tl.load(ids_ptr + o_p, mask=o_p < P, other=E)  # [BP]; E (past the lanes) counts nowhere
+            n_lt += tl.sum((b_id < i_e).to(tl.int32), axis=0)
+            n_eq += tl.sum((b_id == i_e).to(tl.int32), axis=0)
+        tl.store(bounds_ptr + i_e, n_lt.to(tl.int64))
+        if i_e == E - 1:
+            tl.store(bounds_ptr + E, (n_lt + n_eq).to(tl.int64))
+        run = n_lt
+        for p0 in range(0, P, BLOCK_P):
+            o_p = p0 + tl.arange(0, BLOCK_P)
+            m = tl.load(ids_ptr + o_p, mask=o_p < P, other=E) == i_e  # [BP]
+            b_m = m.to(tl.int32)
+            tl.store(order_ptr + run + tl.cumsum(b_m, axis=0) - 1, o_p.to(tl.int64), mask=m)
+            run += tl.sum(b_m, axis=0)
 
     @triton.jit
     def _expert_tile(tile_end_ptr, bounds_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -171,55 +200,77 @@ def _dot_in_f32(x: torch.Tensor) -> bool:
     return not x.is_cuda
 
 
-def _expert_tiles(ids: torch.Tensor, E: int, block_m: int):
-    """The pairs sorted by expert, and the tile table of the grouped GEMMs, in torch ops without a host sync.
-
-    Returns (order [P] int64: the (token, slot) pair t * k + j of each sorted row, stable, so a token's pairs of one
-    expert keep their slot order; bounds [E + 1] int64: expert e's rows are [bounds[e], bounds[e+1]); tile_end [E]
-    int32: expert e's row tiles end before tile tile_end[e]). Pairs with an id outside [0, E) sort to either end,
-    outside every expert's rows: no tile computes them."""
+def _sort_pairs(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs of ids [T, k] sorted by expert, stable (`_moe_sort_kernel`): order [P] int64, the pair
+    t * k + j of each sorted row, and bounds [E + 1] int64, expert e's rows [bounds[e], bounds[e+1]). As
+    `torch.sort(ids.flatten(), stable=True)` + `searchsorted`, except at the pairs with an id outside [0, E): their
+    rows sort to either end, where no tile reads them, and their order entries are left unwritten."""
     flat = ids.reshape(-1)  # [P]
-    sorted_ids, order = torch.sort(flat, stable=True)
-    bounds = torch.searchsorted(sorted_ids, torch.arange(E + 1, device=ids.device, dtype=flat.dtype))
+    order = torch.empty_like(flat, dtype=torch.int64)
+    bounds = torch.empty(E + 1, dtype=torch.int64, device=ids.device)
+    with _device_guard(ids):
+        pdl = pdl_enabled(ids.device)
+        _moe_sort_kernel[(E,)](flat, order, bounds, flat.shape[0], E, BLOCK_P=_SORT_BLOCK_P, PDL=pdl, num_warps=4,
+                               **_pdl_launch(pdl))
+    return order, bounds
+
+
+def _tile_end(bounds: torch.Tensor, block_m: int) -> torch.Tensor:
+    """[E] int32: expert e's row tiles of `block_m` sorted pairs end before tile tile_end[e] (a cumulative sum over
+    the experts, from `bounds` [E + 1]: expert e's pairs are rows [bounds[e], bounds[e+1]) of the sorted order;
+    pairs with an id outside [0, E) sort to either end, outside every expert's rows: no tile computes them)."""
     tiles = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m
-    return order, bounds, torch.cumsum(tiles, 0, dtype=torch.int32)
+    return torch.cumsum(tiles, 0, dtype=torch.int32)
 
 
-def moe_experts_prefill(x, gate_up, down, weights, ids, shared=None, shared_gate=None) -> torch.Tensor:
+def _max_tiles(P: int, E: int, block_m: int) -> int:
+    """The grid's row-tile count: the most tiles any routing of P pairs over E experts can need."""
+    return triton.cdiv(P, block_m) + min(E, P)
+
+
+def _fit_tiles(tiles, N: int, K: int, dtype: torch.dtype) -> tuple:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an N x K weight: BLOCK_N and BLOCK_K no wider than the
+    matrix needs (at least 16, `tl.dot`'s minimum), BLOCK_K halved for float32 (twice the shared memory a tile)."""
+    bm, bn, bk, warps, stages = tiles
+    if dtype == torch.float32:
+        bk //= 2
+    return (bm, min(bn, max(16, triton.next_power_of_2(N))), min(bk, max(16, triton.next_power_of_2(K))), warps,
+            stages)
+
+
+def moe_experts_prefill(x, gate_up, down, weights, ids, shared=None, shared_gate=None, tiles=None) -> torch.Tensor:
     """`fused_ops_moe.moe_experts` for many tokens (its arguments, validated there): grouped GEMMs over the experts
     hit, then the weighted combine with the shared expert. No host sync (CUDA-graph safe), no atomics.
 
     Intermediates: h [P, I] (SwiGLU, rounded as stock) in expert order, d [P, H] (the down linear, rounded as stock)
     in (token, slot) order; then `y[t] = sum_j weights[t, j] * d[t*k + j] + sigmoid(shared_gate[t]) * shared[t]` in
-    float32, rounded once. Returns y [T, H] contiguous in x.dtype."""
+    float32, rounded once. `tiles`: (gate|up, down) tile tuples in place of `_GATE_UP_TILES`, `_DOWN_TILES` (the
+    tuning script's candidates). Returns y [T, H] contiguous in x.dtype."""
     T, H = x.shape
     E, I = down.shape[0], down.shape[2]
     k = ids.shape[1]
     P = T * k
-    block_k = _GEMM_BLOCK_K // 2 if x.dtype == torch.float32 else _GEMM_BLOCK_K
-    order, bounds, tile_end = _expert_tiles(ids, E, _GEMM_BLOCK_M)
+    gu_tiles, dn_tiles = tiles if tiles is not None else (_GATE_UP_TILES, _DOWN_TILES)
+    order, bounds = _sort_pairs(ids, E)
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     d = torch.empty(P, H, dtype=x.dtype, device=x.device)
     y = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    max_tiles = triton.cdiv(P, _GEMM_BLOCK_M) + min(E, P)
-    common = dict(BLOCK_M=_GEMM_BLOCK_M, BLOCK_E=triton.next_power_of_2(E), PRECISION=_dot_precision(x.dtype),
-                  DOT_F32=_dot_in_f32(x),
-                  num_warps=_GEMM_WARPS, num_stages=_GEMM_STAGES)
+    common = dict(BLOCK_E=triton.next_power_of_2(E), PRECISION=_dot_precision(x.dtype), DOT_F32=_dot_in_f32(x))
     s, sg = (shared, shared_gate) if shared is not None else (y, y)
     block_t = 4
     with _device_guard(x):
         pdl = pdl_enabled(x.device)
         # grid axis 0 (fastest) over the columns: the programs running together share one expert's rows of x
-        bn = min(_GEMM_BLOCK_N, max(16, triton.next_power_of_2(I)))
-        _moe_gate_up_gemm_kernel[(triton.cdiv(I, bn), max_tiles)](
-            x, gate_up, order, bounds, tile_end, h, E, I, H, x.stride(0),
-            TOP_K=k, BLOCK_N=bn, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(H))), PDL=pdl,
+        bm, bn, bk, warps, stages = _fit_tiles(gu_tiles, I, H, x.dtype)
+        _moe_gate_up_gemm_kernel[(triton.cdiv(I, bn), _max_tiles(P, E, bm))](
+            x, gate_up, order, bounds, _tile_end(bounds, bm), h, E, I, H, x.stride(0),
+            TOP_K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, num_warps=warps, num_stages=stages,
             **common, **_pdl_launch(pdl),
         )
-        bn = min(_GEMM_BLOCK_N, max(16, triton.next_power_of_2(H)))
-        _moe_down_gemm_kernel[(triton.cdiv(H, bn), max_tiles)](
-            h, down, order, bounds, tile_end, d, E, I, H,
-            BLOCK_N=bn, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(I))), PDL=pdl,
+        bm, bn, bk, warps, stages = _fit_tiles(dn_tiles, H, I, x.dtype)
+        _moe_down_gemm_kernel[(triton.cdiv(H, bn), _max_tiles(P, E, bm))](
+            h, down, order, bounds, _tile_end(bounds, bm), d, E, I, H,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, num_warps=warps, num_stages=stages,
             **common, **_pdl_launch(pdl),
         )
         bn = min(1024, triton.next_power_of_2(H))

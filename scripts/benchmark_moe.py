@@ -8,7 +8,8 @@
 
 Variants, each timed on the same x [T, H]:
 - `fused`: the block as the fused model can run it: one GEMM for the router and the shared expert's gate (packed),
-  `moe_route`, the shared expert (packed gate|up GEMM, `fused_ops.swiglu`, down GEMM), `moe_experts`; eager.
+  `moe_route`, the shared expert (packed gate|up GEMM, `fused_ops.swiglu`, down GEMM), `moe_experts`; at decode
+  sizes (`fused_ops.moe_shared_in_slots`) the shared expert as a slot of `moe_experts`' GEMVs instead; eager.
 - `fused-graph`: the same replayed from a CUDA graph (how the fused model runs a decode step; GPU only).
 - `stock-<impl>`: `Qwen3_5MoeSparseMoeBlock.forward` with `config._experts_implementation = impl`, for `eager` and
   each of `grouped_mm`, `batched_mm` that this transformers registers; eager (stock's `eager` syncs the host).
@@ -84,6 +85,9 @@ def fused_block(block, fused_ops):
     def forward(x):
         logits_gate = F.linear(x, router)  # [T, E + 1]: router logits | shared expert's gate logit
         weights, ids = fused_ops.moe_route(logits_gate[:, :E], k)
+        if fused_ops.moe_shared_in_slots(x.shape[0], down.shape[2], shared_down.shape[1]):  # as the fused block
+            return fused_ops.moe_experts(x, gate_up, down, weights, ids, shared_gate=logits_gate[:, E:],
+                                         shared_experts=(shared_gate_up, shared_down))
         shared = F.linear(fused_ops.swiglu(F.linear(x, shared_gate_up)), shared_down)
         return fused_ops.moe_experts(x, gate_up, down, weights, ids, shared, logits_gate[:, E:])
 
@@ -142,7 +146,7 @@ def floors(block, ids: torch.Tensor, T: int, dtype: torch.dtype, ceil: dict) -> 
         size = torch.finfo(dtype).bits // 8
         experts = len(torch.unique(ids)) * 3 * I * H * size
         block_bytes = experts + ((E + 1) * H + 3 * I_s * H) * size
-        rate = ceil["copy_bytes_per_s"] / 2  # the copy rate counts a read and a write per byte copied
+        rate = ceil["copy_bytes_per_s"]  # bytes read + written a second, as benchmark_latency's weight-read floor
         return {"kind": "weight read", "block_ms": 1e3 * block_bytes / rate, "experts_ms": 1e3 * experts / rate,
                 "block_bytes": block_bytes}
     experts = 2 * T * k * 3 * I * H

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.benchmark_latency import (  # noqa: E402
     Timer, attention_flops, generate_tokens, log, measure_ceilings, stock_cpu_guard,
 )
-from scripts.common import REAL_COMMON, import_repo, tiny_moe_text_kwargs, write_report  # noqa: E402
+from scripts.common import REAL_COMMON, import_module, import_repo, tiny_moe_text_kwargs, write_report  # noqa: E402
 
 # Qwen3.5-35B-A3B (also Qwen3.6-35B-A3B): the text model's shape
 REAL_MOE = {
@@ -54,10 +54,14 @@ def moe_kwargs(shape: str) -> dict:
     return dict(REAL_COMMON, **REAL_MOE[shape])
 
 
-def build(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """The fused MoE causal LM at `shape`, random weights, built in `dtype` directly on `device`."""
+def build(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0, layers: int = 0):
+    """The fused MoE causal LM at `shape`, random weights, built in `dtype` directly on `device`; `layers` > 0 keeps
+    only that many decoder layers (profiles: every layer of a kind runs the same kernels)."""
     configuration, modeling, _ = import_repo()
-    config = configuration.Qwen3_5MoeFusedTextConfig(**moe_kwargs(shape), fused_kernels=True)
+    kwargs = moe_kwargs(shape)
+    if layers:
+        kwargs["num_hidden_layers"] = layers
+    config = configuration.Qwen3_5MoeFusedTextConfig(**kwargs, fused_kernels=True)
     torch.manual_seed(seed)
     with torch.device(device):
         model = modeling.Qwen3_5MoeFusedForCausalLM._from_config(config, dtype=dtype)
@@ -117,6 +121,66 @@ def prefill_ms(model, T: int, repeats: int, device) -> float:
     return statistics.median(timer(run) for _ in range(repeats))
 
 
+def _kernel_times(prof) -> dict:
+    """{kernel name: (launches, summed GPU microseconds)} of a torch profiler run."""
+    return {e.key: (e.count, e.self_device_time_total) for e in prof.key_averages() if e.device_type.name == "CUDA"}
+
+
+def profile_kernels(model, batches, new_tokens: int, prefill: int, device, rows: int = 30) -> dict:
+    """The fused path's kernels under the torch profiler, with programmatic dependent launch off (so a kernel's time
+    is its own, not its wait for the one before; the graphs are captured here, PDL-less): per decode token at each
+    batch (a `new_tokens` generate minus a 1-token one, graphs on: CUPTI records a replayed graph's kernels one by
+    one) and for one no-cache prefill of `prefill` tokens. Prints the top kernels of each and returns them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runtime = import_module("fused_ops_runtime")
+    saved, runtime.PDL_ENABLED = runtime.PDL_ENABLED, False
+    out = {}
+    try:
+        set_variant(model, "fused")
+        for b in batches:
+            ids = torch.randint(3, model.config.vocab_size, (b, 32), device=device)
+            for _ in range(2):
+                generate_tokens(model, ids, 4, device)
+            stats = {}
+            for n in (1, new_tokens):
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    generate_tokens(model, ids, n, device)
+                    torch.cuda.synchronize()
+                stats[n] = _kernel_times(prof)
+            per = {}
+            for key, (count, us) in stats[new_tokens].items():
+                c1, u1 = stats[1].get(key, (0, 0.0))
+                if count > c1:
+                    per[key] = ((count - c1) / (new_tokens - 1), (us - u1) / (new_tokens - 1))
+            total = sum(us for _, us in per.values())
+            out[f"decode_b{b}"] = {"gpu_us_per_token": total, "kernels_per_token": sum(c for c, _ in per.values()),
+                                   "top": sorted(((k[:100], round(c, 2), round(us, 2)) for k, (c, us) in per.items()),
+                                                 key=lambda r: -r[2])[:rows]}
+        ids = torch.randint(3, model.config.vocab_size, (1, prefill), device=device)
+        for _ in range(3):
+            with torch.inference_mode():
+                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with torch.inference_mode():
+                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            torch.cuda.synchronize()
+        per = _kernel_times(prof)
+        out[f"prefill_T{prefill}"] = {"gpu_us": sum(us for _, us in per.values()),
+                                      "kernels": sum(c for c, _ in per.values()),
+                                      "top": sorted(((k[:100], c, round(us, 1)) for k, (c, us) in per.items()),
+                                                    key=lambda r: -r[2])[:rows]}
+    finally:
+        runtime.PDL_ENABLED = saved
+    for name, r in out.items():
+        total = r.get("gpu_us_per_token", r.get("gpu_us"))
+        log(f"profile {name}: {total / 1e3:.3f} ms GPU, {r.get('kernels_per_token', r.get('kernels'))} kernels")
+        for key, count, us in r["top"]:
+            print(f"    {us:10.1f} us  x{count:<7} {key}", flush=True)
+    return out
+
+
 def set_variant(model, name: str) -> None:
     if name.startswith("stock-"):
         model.set_fused_kernels(False)
@@ -137,6 +201,14 @@ def stock_impls() -> list[str]:
     except Exception:  # an older transformers without the registry: stock's loop only
         registered = {"eager"}
     return [impl for impl in STOCK_IMPLS if impl in registered]
+
+
+def json_table(profile: dict) -> str:
+    lines = []
+    for name, r in profile.items():
+        lines += [f"## {name}", "", "| us | launches | kernel |", "|---|---|---|"]
+        lines += [f"| {us} | {count} | `{key}` |" for key, count, us in r["top"]] + [""]
+    return "\n".join(lines)
 
 
 def table(results: dict) -> str:
@@ -182,6 +254,9 @@ def main(argv=None) -> dict:
     p.add_argument("--prefill", type=int, default=2048, help="tokens of the no-cache forward")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", default="", help="comma list (default: fused, fused-eager, stock-<each impl>)")
+    p.add_argument("--layers", type=int, default=0, help="keep only this many decoder layers (with --profile)")
+    p.add_argument("--profile", action="store_true",
+                   help="only profile the fused path's kernels (decode at --batches, prefill), PDL off")
     p.add_argument("--out", default="out/moe_model")
     args = p.parse_args(argv)
     import transformers
@@ -191,7 +266,11 @@ def main(argv=None) -> dict:
     variants = args.variants.split(",") if args.variants else ["fused", "fused-eager"] + [
         f"stock-{impl}" for impl in stock_impls()]
     log(f"building {args.shape} ({args.dtype}, {device})")
-    model = build(args.shape, device, dtype)
+    model = build(args.shape, device, dtype, layers=args.layers)
+    if args.profile:
+        results = {"profile": profile_kernels(model, batches, args.new_tokens, args.prefill, device)}
+        write_report(Path(args.out), "moe_profile", results, json_table(results["profile"]))
+        return results
     ceil = measure_ceilings(device)
     results = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M"), "shape": args.shape, "dtype": args.dtype,
                         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

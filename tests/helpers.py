@@ -131,7 +131,7 @@ from scripts.common import import_module
 fused_ops_runtime, fused_ops_norm, fused_ops_attention, fused_ops_deltanet, fused_ops_gemv = (
     import_module(f"fused_ops_{name}") for name in ("runtime", "norm", "attention", "deltanet", "gemv"))
 
-def compile_(fn, types, constexprs, num_warps):
+def compile_(fn, types, constexprs, num_warps, num_stages=None):
     # kernels with a PDL switch compile as the H200 launches them: with programmatic dependent launch
     pdl = "PDL" in fn.arg_names and fused_ops_runtime._HAS_GDC
     if "PDL" in fn.arg_names:
@@ -140,7 +140,8 @@ def compile_(fn, types, constexprs, num_warps):
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in constexprs and (signature[n].startswith("*") or n.startswith("stride"))}
     src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": num_warps, **({"launch_pdl": True} if pdl else {})}
+    options = {"num_warps": num_warps, **({"launch_pdl": True} if pdl else {}),
+               **({"num_stages": num_stages} if num_stages else {})}
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
     assert kernel.asm["cubin"], fn.__name__
     assert not pdl or "griddepcontrol.wait" in kernel.asm["ptx"], fn.__name__ + ": no grid dependency wait"
@@ -207,7 +208,7 @@ def _background_sm90(calls: str) -> int | None:
 def compile_for_sm90(calls: str) -> int:
     """Compile kernels for sm_90 without a GPU (Triton's bundled ptxas), in a subprocess without TRITON_INTERPRET:
     the interpreter runs kernels that the GPU compiler may reject. `calls` is Python source calling
-    `compile_(kernel, arg types, constexprs, num_warps)`; returns how many compiled (the test fails on any error).
+    `compile_(kernel, arg types, constexprs, num_warps[, num_stages])`; returns how many compiled (the test fails on any error).
     Where the session started them in the background (`start_compiles_for_sm90`), this reads that process's result."""
     pytest.importorskip("triton.backends.nvidia")
     done = _background_sm90(calls)

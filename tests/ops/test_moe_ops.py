@@ -70,10 +70,17 @@ def truth(x, block, weights, ids, shared, shared_gate):
                                      None if shared_gate is None else shared_gate.to(d))
 
 
-def check_experts_vs_stock(device, dtype, T, E, k, H, I, shared=True, row_pad=0, seed=0):
+def shared_weights(block):
+    """The shared expert's weights as `moe_experts(shared_experts=...)` takes them: (gate|up [2*I_s, H], down)."""
+    se = block.shared_expert
+    return torch.cat([se.gate_proj.weight, se.up_proj.weight]).detach(), se.down_proj.weight.detach()
+
+
+def check_experts_vs_stock(device, dtype, T, E, k, H, I, shared=True, row_pad=0, seed=0, shared_I=None):
     """Ours on stock's routing against stock's block: within `MOE` of stock in float32; in bf16 / fp16 no further
-    from the float64 answer than `MOE_OVER_STOCK` times stock's own distance from it."""
-    block = stock_block(E, k, H, I, dtype, device, seed=seed)
+    from the float64 answer than `MOE_OVER_STOCK` times stock's own distance from it. `shared`: True hands
+    `moe_experts` the shared expert's output, "weights" its weights (`shared_experts`), False neither."""
+    block = stock_block(E, k, H, I, dtype, device, seed=seed, shared_I=shared_I)
     buf = torch.randn(T, H + row_pad, device=device).to(dtype)
     x = buf[:, :H]  # row stride H + row_pad
     weights, ids, s, sg = block_inputs(block, x)
@@ -81,7 +88,11 @@ def check_experts_vs_stock(device, dtype, T, E, k, H, I, shared=True, row_pad=0,
         s = sg = None
     with torch.no_grad():
         y_stock = block(x.contiguous().unsqueeze(0))[0] if shared else block.experts(x, ids, weights)
-    y = fused_ops.moe_experts(x, block.experts.gate_up_proj, block.experts.down_proj, weights, ids, s, sg)
+    if shared == "weights":
+        y = fused_ops.moe_experts(x, block.experts.gate_up_proj, block.experts.down_proj, weights, ids,
+                                  shared_gate=sg, shared_experts=shared_weights(block))
+    else:
+        y = fused_ops.moe_experts(x, block.experts.gate_up_proj, block.experts.down_proj, weights, ids, s, sg)
     assert y.is_contiguous()
     assert_close("y vs stock block", y, y_stock, MOE)
     assert_no_worse_than_stock(y, y_stock, truth(x, block, weights, ids, s, sg))
@@ -213,6 +224,19 @@ def test_moe_experts_fp16_and_without_shared(T):
     check_experts_vs_stock("cpu", torch.bfloat16, T, 8, 2, 40, 24, shared=False)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T, E, k, H, I, I_s", [(1, 8, 2, 40, 24, 24), (1, 64, 8, 72, 48, 48), (3, 64, 8, 72, 48, 48),
+                                                (16, 8, 2, 40, 24, 24), (17, 8, 2, 40, 24, 24), (1, 8, 2, 40, 24, 40)],
+                         ids=["slot-T1-E8k2", "slot-T1-E64k8", "decode-T3-E64k8", "decode-T16", "prefill-T17",
+                              "decode-I_s-wider"])
+def test_moe_experts_shared_expert_by_its_weights(dtype, T, E, k, H, I, I_s):
+    """`shared_experts`: the shared expert run inside `moe_experts`, as one more GEMV slot for one token
+    (`moe_shared_in_slots`), computed before the kernels otherwise (T > 1, or I_s != I): stock's block either way."""
+    assert fused_ops.moe_shared_in_slots(T, I, I_s) == (T == 1 and I == I_s)
+    check_experts_vs_stock("cpu", dtype, T, E, k, H, I, shared="weights", row_pad=8 if T % 2 else 0, shared_I=I_s)
+
+
 def _skewed(T, E, k, hot, seed=0):
     """(weights, ids) where every token picks expert `hot` in slot 0 and k - 1 distinct others out of three; the
     other experts get nothing."""
@@ -228,9 +252,8 @@ def _skewed(T, E, k, hot, seed=0):
 def test_moe_experts_expert_rows_over_several_tiles(monkeypatch, dtype):
     """BLOCK_M = 16 and 37 tokens all on one expert: its rows take three tiles, the last partly empty; most other
     experts are empty; the expert count (12) is not a power of two."""
-    monkeypatch.setattr(moe_gemm, "_GEMM_BLOCK_M", 16)
-    monkeypatch.setattr(moe_gemm, "_GEMM_BLOCK_N", 16)
-    monkeypatch.setattr(moe_gemm, "_GEMM_BLOCK_K", 32)
+    monkeypatch.setattr(moe_gemm, "_GATE_UP_TILES", (16, 16, 32, 4, 1))
+    monkeypatch.setattr(moe_gemm, "_DOWN_TILES", (16, 16, 32, 4, 1))
     T, E, k, H, I = 37, 12, 3, 40, 24
     torch.manual_seed(0)
     block = stock_block(E, k, H, I, dtype, "cpu")
@@ -244,6 +267,24 @@ def test_moe_experts_expert_rows_over_several_tiles(monkeypatch, dtype):
         y_stock = block.experts(x, ids, w) + torch.sigmoid(sg) * s
     assert_close("y vs stock experts + shared", y, y_stock, MOE)
     assert_no_worse_than_stock(y, y_stock, truth(x, block, w, ids, s, sg))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("T, E, k", [(40, 8, 2), (300, 64, 8), (7, 12, 3)], ids=["T40-E8k2", "T300-E64k8", "T7-E12k3"])
+def test_moe_sort_is_torch_stable_sort_by_expert(monkeypatch, T, E, k):
+    """The prefill's counting sort against `torch.sort(stable=True)` + `searchsorted`: the same order and bounds,
+    across several of its P-blocks (block lowered to 64), with ids outside [0, E) that sort to either end (their
+    own entries are not part of the result)."""
+    monkeypatch.setattr(moe_gemm, "_SORT_BLOCK_P", 64)
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(0, E, (T, k), generator=g)
+    ids[0, 0], ids[T // 2, k - 1], ids[T - 1, 0] = -1, E, E + 3
+    order, bounds = moe_gemm._sort_pairs(ids, E)
+    flat = ids.flatten()
+    sorted_ids, ref = torch.sort(flat, stable=True)
+    ref_bounds = torch.searchsorted(sorted_ids, torch.arange(E + 1))
+    assert_exact("bounds", bounds, ref_bounds)
+    assert_exact("order inside [0, E)", order[bounds[0] : bounds[E]], ref[ref_bounds[0] : ref_bounds[E]])
 
 
 @needs_interpreter
@@ -293,13 +334,18 @@ def test_moe_empty_inputs():
 _E, _K, _H, _I = 8, 2, 16, 12
 
 
-def _experts(T=3, x=None, gate_up=None, down=None, weights=None, ids=None, shared=None, shared_gate=None):
+def _experts(T=3, x=None, gate_up=None, down=None, weights=None, ids=None, shared=None, shared_gate=None,
+             shared_experts=None):
     x = torch.randn(T, _H) if x is None else x
     return fused_ops.moe_experts(
         x, torch.randn(_E, 2 * _I, _H) if gate_up is None else gate_up,
         torch.randn(_E, _H, _I) if down is None else down,
         torch.rand(x.shape[0], _K) if weights is None else weights,
-        torch.zeros(x.shape[0], _K, dtype=torch.long) if ids is None else ids, shared, shared_gate)
+        torch.zeros(x.shape[0], _K, dtype=torch.long) if ids is None else ids, shared, shared_gate,
+        shared_experts=shared_experts)
+
+
+_SHARED_W = (torch.randn(2 * _I, _H), torch.randn(_H, _I))
 
 
 BAD_INPUTS = {
@@ -318,7 +364,16 @@ BAD_INPUTS = {
     "ids-float": (lambda: _experts(ids=torch.zeros(3, _K)), "int64 or int32 ids"),
     "weights-dtype": (lambda: _experts(weights=torch.rand(3, _K).half()), "x's dtype"),
     "down-dtype": (lambda: _experts(down=torch.randn(_E, _H, _I).bfloat16()), "x's dtype"),
-    "shared-alone": (lambda: _experts(shared=torch.randn(3, _H)), "together"),
+    "shared-alone": (lambda: _experts(shared=torch.randn(3, _H)), "shared_gate with shared or shared_experts"),
+    "shared-weights-alone": (lambda: _experts(shared_experts=_SHARED_W), "shared_gate with shared or shared_experts"),
+    "shared-both": (lambda: _experts(shared=torch.randn(3, _H), shared_gate=torch.randn(3, 1),
+                                     shared_experts=_SHARED_W), "not both"),
+    "shared-weights-shape": (lambda: _experts(shared_gate=torch.randn(3, 1),
+                                              shared_experts=(_SHARED_W[0], _SHARED_W[1][:, :5])),
+                             "down \\[H, I_s\\]\\) with H = 16, got \\(24, 16\\) and \\(16, 5\\)"),
+    "shared-weights-strided": (lambda: _experts(shared_gate=torch.randn(3, 1),
+                                                shared_experts=(_SHARED_W[0].t().contiguous().t(), _SHARED_W[1])),
+                               "contiguous shared-expert weights"),
     "shared-shape": (lambda: _experts(shared=torch.randn(3, _H + 1), shared_gate=torch.randn(3, 1)),
                      "shared \\[T, H\\]"),
     "gate-up-strided": (lambda: _experts(gate_up=torch.randn(_E, _H, 2 * _I).transpose(1, 2)), "contiguous expert"),
@@ -335,23 +390,29 @@ def test_rejects_bad_inputs(case):
 
 
 _SM90_CALLS = r"""
+import torch
 fused_ops_moe, fused_ops_moe_gemm = import_module("fused_ops_moe"), import_module("fused_ops_moe_gemm")
 compile_(fused_ops_moe._moe_route_kernel, dict(l_ptr="*bf16", w_ptr="*bf16", i_ptr="*i64"),
          dict(TOP_K=8, BLOCK_T=1, BLOCK_E=256, BLOCK_K=8), 1)
 gu_n, gu_k, gu_w = fused_ops_moe._DECODE_GATE_UP
-compile_(fused_ops_moe._moe_gate_up_gemv_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", ids_ptr="*i64", h_ptr="*bf16"),
-         dict(TOP_K=8, BLOCK_N=gu_n, BLOCK_K=gu_k), gu_w)
+compile_(fused_ops_moe._moe_gate_up_gemv_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", ws_ptr="*bf16", ids_ptr="*i64",
+         h_ptr="*bf16"), dict(TOP_K=8, SLOTS=9, BLOCK_N=gu_n, BLOCK_K=gu_k), gu_w)
 dn_n, dn_k, dn_w = fused_ops_moe._DECODE_DOWN
-compile_(fused_ops_moe._moe_down_gemv_kernel, dict(h_ptr="*bf16", w_ptr="*bf16", wt_ptr="*bf16", ids_ptr="*i64",
-         s_ptr="*bf16", sg_ptr="*bf16", y_ptr="*bf16"), dict(TOP_K=8, SHARED=True, BLOCK_N=dn_n, BLOCK_K=dn_k), dn_w)
+compile_(fused_ops_moe._moe_down_gemv_kernel, dict(h_ptr="*bf16", w_ptr="*bf16", ws_ptr="*bf16", wt_ptr="*bf16",
+         ids_ptr="*i64", s_ptr="*bf16", sg_ptr="*bf16", y_ptr="*bf16"),
+         dict(TOP_K=8, SLOTS=9, SHARED=fused_ops_moe._SHARED_WEIGHTS, BLOCK_J=8, BLOCK_N=dn_n, BLOCK_K=dn_k), dn_w)
 g = fused_ops_moe_gemm
-for dt, prec, bk in (("bf16", "tf32", g._GEMM_BLOCK_K), ("fp32", "ieee", g._GEMM_BLOCK_K // 2)):
-    tiles = dict(BLOCK_M=g._GEMM_BLOCK_M, BLOCK_N=g._GEMM_BLOCK_N, BLOCK_K=bk, BLOCK_E=256, PRECISION=prec,
-                 DOT_F32=False)
-    compile_(g._moe_gate_up_gemm_kernel, dict(x_ptr="*" + dt, w_ptr="*" + dt, order_ptr="*i64", bounds_ptr="*i64",
-             tile_end_ptr="*i32", h_ptr="*" + dt), dict(TOP_K=8, **tiles), g._GEMM_WARPS)
-    compile_(g._moe_down_gemm_kernel, dict(h_ptr="*" + dt, w_ptr="*" + dt, order_ptr="*i64", bounds_ptr="*i64",
-             tile_end_ptr="*i32", d_ptr="*" + dt), tiles, g._GEMM_WARPS)
+for dt, torch_dt, prec in (("bf16", torch.bfloat16, "tf32"), ("fp32", torch.float32, "ieee")):
+    for kernel, tiles, N, K, out in ((g._moe_gate_up_gemm_kernel, g._GATE_UP_TILES, 512, 2048, "h_ptr"),
+                                     (g._moe_down_gemm_kernel, g._DOWN_TILES, 2048, 512, "d_ptr")):
+        bm, bn, bk, warps, stages = g._fit_tiles(tiles, N, K, torch_dt)
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=256, PRECISION=prec, DOT_F32=False)
+        if kernel is g._moe_gate_up_gemm_kernel:
+            consts["TOP_K"] = 8
+        compile_(kernel, {"x_ptr" if out == "h_ptr" else "h_ptr": "*" + dt, "w_ptr": "*" + dt, "order_ptr": "*i64",
+                 "bounds_ptr": "*i64", "tile_end_ptr": "*i32", out: "*" + dt}, consts, warps, stages)
+compile_(g._moe_sort_kernel, dict(ids_ptr="*i64", order_ptr="*i64", bounds_ptr="*i64"),
+         dict(BLOCK_P=g._SORT_BLOCK_P), 4)
 compile_(g._moe_combine_kernel, dict(d_ptr="*bf16", wt_ptr="*bf16", ids_ptr="*i64", s_ptr="*bf16", sg_ptr="*bf16",
          y_ptr="*bf16"), dict(TOP_K=8, SHARED=True, BLOCK_T=4, BLOCK_N=1024), 4)
 """
@@ -360,7 +421,7 @@ compile_(g._moe_combine_kernel, dict(d_ptr="*bf16", wt_ptr="*bf16", ids_ptr="*i6
 def test_moe_kernels_compile_for_sm90():
     """Every MoE kernel at the 35B-A3B shape's launch constants, as the H200 compiles them (with PDL); the GEMMs in
     bf16 and in IEEE float32."""
-    assert compile_for_sm90(_SM90_CALLS) == 8
+    assert compile_for_sm90(_SM90_CALLS) == 9
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -379,6 +440,13 @@ def test_moe_experts_cuda(dtype, T):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", [1, 8, 16, 2048], ids=lambda t: f"T{t}")
+def test_moe_experts_shared_expert_by_its_weights_cuda(dtype, T):
+    check_experts_vs_stock("cuda", dtype, T, **REAL, shared="weights")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T", [1, 8, 2048], ids=lambda t: f"T{t}")
 def test_moe_route_cuda(dtype, T):
     torch.manual_seed(0)
@@ -392,7 +460,8 @@ def test_moe_route_cuda(dtype, T):
 @pytest.mark.parametrize("T", [1, 8, 2048], ids=lambda t: f"T{t}")
 def test_moe_block_in_a_cuda_graph_is_deterministic(T):
     """Route + experts captured in a CUDA graph (a host sync or an allocation-order dependence fails the capture or
-    the replay), replayed on new inputs: equal to an eager call, bit for bit, and two replays bit-equal."""
+    the replay), replayed on new inputs: equal to an eager call, bit for bit, and two replays bit-equal; with the
+    shared expert's output handed over, and with its weights (a GEMV slot at T = 1)."""
     E, k, H, I = REAL.values()
     block = stock_block(E, k, H, I, torch.bfloat16, "cuda")
     gu, dn = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
@@ -400,9 +469,12 @@ def test_moe_block_in_a_cuda_graph_is_deterministic(T):
     logits = F.linear(x, block.gate.weight.detach())
     s, sg = torch.randn_like(x), torch.randn(T, 1, device="cuda", dtype=torch.bfloat16)
 
+    shared_w = shared_weights(block)
+
     def step():
         w, ids = fused_ops.moe_route(logits, k)
-        return fused_ops.moe_experts(x, gu, dn, w, ids, s, sg)
+        return (fused_ops.moe_experts(x, gu, dn, w, ids, s, sg),
+                fused_ops.moe_experts(x, gu, dn, w, ids, shared_gate=sg, shared_experts=shared_w))
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -415,11 +487,14 @@ def test_moe_block_in_a_cuda_graph_is_deterministic(T):
     for buf in (x, logits, s, sg):
         buf.copy_(torch.randn_like(buf))
     graph.replay()
-    first = y.clone()
+    first = [t.clone() for t in y]
     graph.replay()
-    assert_exact("two replays", y, first)
-    assert_exact("replay vs eager", first, step())
+    eager = step()
     w, ids = fused_ops.moe_route_ref(logits, k)
     with torch.no_grad():
-        y_stock = block.experts(x, ids, w) + torch.sigmoid(sg) * s
-    assert_close("replay vs stock", first, y_stock, MOE)
+        routed = block.experts(x, ids, w)
+        stock = (routed + torch.sigmoid(sg) * s, routed + torch.sigmoid(sg) * block.shared_expert(x))
+    for name, out, ref, again, y_stock in zip(("shared output", "shared weights"), y, first, eager, stock):
+        assert_exact(f"two replays, {name}", out, ref)
+        assert_exact(f"replay vs eager, {name}", ref, again)
+        assert_close(f"replay vs stock, {name}", ref, y_stock, MOE)
