@@ -188,7 +188,9 @@ if HAS_TRITON:
         x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, E, I, H, stride_xt, stride_it,
         TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):
-        _pdl_wait(PDL)  # ids come from the router kernel just before
+        if PDL:  # ids come from the router kernel just before; the down GEMV may launch once they are in (it reads
+            tl.extra.cuda.gdc_wait()  # them, and its first weight tiles, before its own wait)
+            tl.extra.cuda.gdc_launch_dependents()
         i_p = tl.program_id(0)  # one (token, slot) pair: t * SLOTS + j; slot TOP_K (if any) is the shared expert
         i_t = i_p // SLOTS
         i_j = i_p % SLOTS
@@ -223,7 +225,8 @@ if HAS_TRITON:
         TOP_K: tl.constexpr, SLOTS: tl.constexpr, SHARED: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):
-        _pdl_wait(PDL)  # h comes from the gate|up kernel just before
+        # Before the PDL wait, what no kernel still running writes: the ids (the router kernel finished before the
+        # gate|up GEMV let this one launch) and the first weight tiles; after it, h from the gate|up GEMV.
         i_t = tl.program_id(0).to(tl.int64)  # one token
         i_n = tl.program_id(1) * BLOCK_N
         # rows r = (slot j, output n) of all TOP_K routed slots at once: their weight loads do not wait on each other
@@ -238,18 +241,30 @@ if HAS_TRITON:
         p_h = h_ptr + (i_t * SLOTS + o_j) * I  # [R] each slot's SwiGLU output
         o_s = i_n + tl.arange(0, BLOCK_N)  # [BN] the shared expert's rows (slot TOP_K)
         m_s = o_s < H
+        p_ws = ws_ptr + o_s.to(tl.int64)[:, None] * I  # [BN, 1]
+        o_k = tl.arange(0, BLOCK_K)
+        m_k = o_k < I
+        b_w = tl.load(p_w[:, None] + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)  # [R, BK] tile 0
+        if SHARED == 2:
+            b_ws = tl.load(p_ws + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0)  # [BN, BK]
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros([BLOCK_J * BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_s = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = o_k < I
             m = m_r[:, None] & m_k[None, :]
+            if k0 > 0:  # tile 0 was loaded before the wait
+                b_w = tl.load(p_w[:, None] + o_k[None, :], mask=m, other=0.0)
             b_h = tl.load(p_h[:, None] + o_k[None, :], mask=m, other=0.0).to(tl.float32)  # [R, BK]
-            acc += tl.load(p_w[:, None] + o_k[None, :], mask=m, other=0.0).to(tl.float32) * b_h
+            acc += b_w.to(tl.float32) * b_h
             if SHARED == 2:
+                if k0 > 0:
+                    b_ws = tl.load(p_ws + o_k[None, :], mask=m_s[:, None] & m_k[None, :], other=0.0)
                 b_hs = tl.load(h_ptr + (i_t * SLOTS + TOP_K) * I + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-                acc_s += tl.load(ws_ptr + o_s.to(tl.int64)[:, None] * I + o_k[None, :],
-                                 mask=m_s[:, None] & m_k[None, :], other=0.0).to(tl.float32) * b_hs[None, :]
+                acc_s += b_ws.to(tl.float32) * b_hs[None, :]
         dt = y_ptr.dtype.element_ty
         b_d = _round_to(tl.sum(acc, axis=1), dt)  # [R] each slot's down linear, rounded as stock rounds it
         b_wt = tl.load(wt_ptr + i_t * stride_wt + o_j, mask=valid, other=0.0).to(tl.float32)  # [R]
