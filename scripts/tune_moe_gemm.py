@@ -3,6 +3,8 @@
 `_DECODE_DOWN`), against the floors and stock's `grouped_mm` experts on the same routing.
 
     python scripts/tune_moe_gemm.py --tokens 2048 --decode-tokens 1,8 --out out/tune_moe
+    # CPU smoke run (Triton interpreter; the times mean nothing)
+    python scripts/tune_moe_gemm.py --shape tiny --device cpu --tokens 40 --decode-tokens 1 --repeats 1
 
 Each prefill candidate varies one GEMM's tiles (the other keeps its default) and times all of `moe_experts` at T
 tokens routed by the block's random router (CUDA events, median of --repeats); each decode candidate sets both GEMVs
@@ -62,9 +64,10 @@ def tune_prefill(block, T: int, repeats: int, ceil: dict, device, dtype) -> dict
     for which, tile, tiles in cands:
         try:
             call = lambda: gemm.moe_experts_prefill(x, gu, dn, weights, ids, tiles=tiles)  # noqa: E731
-            same = torch.equal(call(), ref)
+            y = call().double()
+            diff = ((y - ref.double()).norm() / ref.double().norm()).item()  # another K split sums in another order
             ms = statistics.median(timer(call) for _ in range(repeats))
-            rows.append({"gemm": which, "tile": tile, "ms": ms, "bitwise_equal_to_default": same})
+            rows.append({"gemm": which, "tile": tile, "ms": ms, "rel_diff_vs_default": diff})
         except Exception as err:  # noqa: BLE001 - a candidate that does not compile is reported
             rows.append({"gemm": which, "tile": tile, "error": f"{type(err).__name__}: {err}"[:200]})
         print(f"T={T} {rows[-1]}", flush=True)
@@ -96,8 +99,9 @@ def tune_decode(block, T: int, repeats: int, ceil: dict, device, dtype) -> dict:
         for cand in DECODE_CANDIDATES:
             moe._DECODE_GATE_UP, moe._DECODE_DOWN = cand
             try:
-                call = graphed(lambda _: moe.moe_experts(x, gu, dn, weights, ids, shared_gate=sg,
-                                                         shared_experts=shared_w), None)
+                call = lambda _=None: moe.moe_experts(x, gu, dn, weights, ids, shared_gate=sg,  # noqa: E731
+                                                      shared_experts=shared_w)
+                call = graphed(call, None) if device.type == "cuda" else call
                 ms = statistics.median(timer(call) for _ in range(repeats))
                 rows.append({"tile": cand, "ms": ms})
             except Exception as err:  # noqa: BLE001
@@ -138,7 +142,8 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="out/tune_moe")
     args = p.parse_args(argv)
-    device, dtype = torch.device(args.device), torch.bfloat16
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     block = build_block(args.shape, dtype, device)
     ceil = ceilings(device)
     results = {"ceilings": ceil, "prefill": {}, "decode": {}}

@@ -219,6 +219,25 @@ def test_benchmark_moe_runs_on_cpu(tmp_path):
     assert "| 17 | fused |" in (tmp_path / "moe.md").read_text()
 
 
+def test_tune_moe_gemm_runs_on_cpu(tmp_path, monkeypatch):
+    """The MoE tile tuner end to end at the tiny shape (interpreter), two candidates of each kind: every candidate
+    timed, each prefill candidate's output the default tiles' up to summation order (float32), the floors."""
+    from scripts import tune_moe_gemm
+
+    monkeypatch.setattr(tune_moe_gemm, "GATE_UP_CANDIDATES", [(64, 64, 64, 4, 4), (16, 16, 32, 4, 1)])
+    monkeypatch.setattr(tune_moe_gemm, "DOWN_CANDIDATES", [(64, 128, 64, 4, 3), (16, 16, 32, 4, 1)])
+    monkeypatch.setattr(tune_moe_gemm, "DECODE_CANDIDATES", [((16, 256, 4), (4, 256, 4)), ((4, 64, 4), (2, 64, 4))])
+    results = tune_moe_gemm.main(["--shape", "tiny", "--device", "cpu", "--tokens", "40", "--decode-tokens", "1",
+                                  "--repeats", "1", "--out", str(tmp_path)])
+    prefill, decode = results["prefill"]["40"], results["decode"]["1"]
+    assert len(prefill["candidates"]) == 4 and len(decode["candidates"]) == 2
+    for row in prefill["candidates"]:
+        assert row.get("ms", 0) > 0 and row["rel_diff_vs_default"] < 1e-6, row
+    assert all(row.get("ms", 0) > 0 for row in decode["candidates"]), decode
+    assert prefill["floors"]["read_ms"] > 0 and decode["floor_ms"] > 0
+    assert "| 40 | gate_up | (16, 16, 32, 4, 1) |" in (tmp_path / "tune_moe.md").read_text()
+
+
 def _ab(tmp_path, *variants, batches="1,2"):
     args = ["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", batches, "--new-tokens", "3",
             "--repeats", "1", "--out", str(tmp_path)]
