@@ -125,6 +125,35 @@ def test_greedy_generate_matches_stock(monkeypatch, shape):
     _assert_same_generation(want, got)
 
 
+# the shared expert as wide as a routed one (as at 35B-A3B), where a batch-1 decode step runs it as a GEMV slot
+EQUAL_SHARED = dict(shared_expert_intermediate_size=TINY_MOE["E64-top8"]["moe_intermediate_size"])
+
+
+@cpu_emulated
+def test_greedy_generate_with_the_shared_expert_as_a_slot_matches_stock(monkeypatch):
+    """Batch 1 with the shared expert as wide as a routed one: the decode step hands ``moe_experts`` the shared
+    expert's weights (a GEMV slot) and generates stock's tokens; the prompt's forward hands it the output."""
+    stock, fused = stock_and_fused_moe_lm("E64-top8", **EQUAL_SHARED)
+    seen = []
+    experts = plan_mod.REFERENCES.moe_experts
+
+    def recording(x, *args, **kwargs):
+        seen.append((x.shape[0], kwargs.get("shared_experts") is not None))
+        return experts(x, *args, **kwargs)
+
+    ids = torch.tensor([[5, 9, 3, 7, 2]])
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None, return_dict_in_generate=True,
+              output_scores=True)
+    with torch.no_grad():
+        want = generate_stock(stock, ids, **kw)
+        monkeypatch.setattr(plan_mod.REFERENCES, "moe_experts", recording)
+        got = generate_fused(fused, ids, **kw)
+    assert isinstance(got.fused_cache, decode.FusedDecodeCache)
+    assert [slot for rows, slot in seen if rows == 1] == [True] * 7 * fused.config.num_hidden_layers  # every step
+    assert not any(slot for rows, slot in seen if rows > 1)  # the prompt (padded to its bucket): the packed path
+    _assert_same_generation(want, got)
+
+
 @cpu_emulated
 def test_sampling_matches_stock():
     """Sampling draws the same tokens as stock from the same seed (the expert count is the greedy tests' concern:
@@ -161,13 +190,28 @@ def test_composite_model_generates_fused_like_stock():
 
 
 @cpu_emulated
-def test_decode_step_block_equals_the_forward_block():
-    """The decode step's MoE block (``small_linear`` for every linear) against the forward's, one token per row."""
-    _, fused = stock_and_fused_moe_lm("E64-top8")
-    block = fused.model.layers[0].mlp
-    x = torch.randn(3, 1, fused.config.hidden_size)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decode_step_block_equals_the_forward_block(monkeypatch, batch):
+    """The decode step's MoE block (``small_linear`` for every linear) against the forward's, one token per row, and
+    against stock's block; at batch 1 the shared expert runs as a slot of ``moe_experts`` (its weights handed over,
+    the linear before it reading only the router and shared-gate rows), at batch 3 it comes precomputed."""
+    # the shared expert as wide as a routed one (as at 35B-A3B): the shape where batch 1 takes the slot path
+    stock, fused = stock_and_fused_moe_lm("E64-top8", shared_expert_intermediate_size=16)
+    block, stock_block = fused.model.layers[0].mlp, stock.model.layers[0].mlp
+    seen = []
+    experts = plan_mod.REFERENCES.moe_experts
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("shared_experts") is not None)
+        return experts(*args, **kwargs)
+
+    monkeypatch.setattr(plan_mod.REFERENCES, "moe_experts", recording)
+    x = torch.randn(batch, 1, fused.config.hidden_size)
     with torch.no_grad():
-        assert rel_err(block.decode_step(block.plan.ops, x), block(x)) <= BOUND
+        y = block.decode_step(block.plan.ops, x)
+        assert rel_err(y, block(x)) <= BOUND
+        assert rel_err(y, stock_block(x)) <= BOUND
+    assert seen == [batch == 1, batch == 1]
 
 
 def test_stock_path_is_stock_bit_for_bit():
@@ -461,10 +505,14 @@ def test_a_transformers_without_the_conversion_api_is_announced(monkeypatch, cap
 
 
 def _cuda_moe_pair(shape):
-    """`stock_and_fused_moe_lm` on the GPU in fp32, stock running its IEEE torch DeltaNet code (`ieee_stock`)."""
+    """`stock_and_fused_moe_lm` on the GPU in fp32, stock running its IEEE torch DeltaNet code (`ieee_stock`);
+    "E64-top8-equal-shared": E64-top8 with the shared expert as wide as a routed one (`EQUAL_SHARED`)."""
     from helpers import ieee_stock
 
-    stock, fused = stock_and_fused_moe_lm(shape)
+    if shape == "E64-top8-equal-shared":
+        stock, fused = stock_and_fused_moe_lm("E64-top8", **EQUAL_SHARED)
+    else:
+        stock, fused = stock_and_fused_moe_lm(shape)
     return ieee_stock(stock.to("cuda")), fused.to("cuda")
 
 
@@ -485,11 +533,12 @@ def test_forward_matches_stock_fp32_cuda(shape, batch, seq_len, padding):
             assert rel_err(got[valid], want[valid]) <= BOUND
 
 
-@pytest.mark.parametrize("shape", ["E8-top2", "E64-top8"])
+@pytest.mark.parametrize("shape,batch", [("E8-top2", 2), ("E64-top8", 2), ("E64-top8-equal-shared", 1)])
 @pytest.mark.cuda
-def test_greedy_generate_matches_stock_fp32_cuda(shape):
+def test_greedy_generate_matches_stock_fp32_cuda(shape, batch):
+    """Batch 2, and batch 1 with the shared expert as wide as a routed one (the captured step's GEMV-slot path)."""
     stock, fused = _cuda_moe_pair(shape)
-    ids, mask = padded_batch(2, 21, "left")
+    ids, mask = padded_batch(batch, 21, "left")
     kw = dict(attention_mask=mask.cuda(), max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=None,
               return_dict_in_generate=True)
     with torch.inference_mode():
