@@ -5,10 +5,11 @@ plain-torch reference.
 - `moe_route`: softmax over the router logits in float32, top-k, renormalised, cast back; replaces stock
   `Qwen3_5MoeTopKRouter.forward` after its linear.
 - `moe_experts`: the routed experts' SwiGLU MLPs on the tokens that picked them, weighted and summed per token, plus
-  the shared expert's output times the sigmoid of its gate; replaces stock `Qwen3_5MoeExperts.forward` and the
-  `expert_output + sigmoid(shared_expert_gate(x)) * shared_expert_output` of `Qwen3_5MoeSparseMoeBlock.forward`.
-  Up to `_DECODE_MAX_T` tokens it runs two GEMV kernels here (decode); past that the grouped GEMMs of
-  `fused_ops_moe_gemm` (prefill).
+  the shared expert's output (or, given its weights, the shared expert itself) times the sigmoid of its gate;
+  replaces stock `Qwen3_5MoeExperts.forward` and the `expert_output + sigmoid(shared_expert_gate(x)) *
+  shared_expert_output` of `Qwen3_5MoeSparseMoeBlock.forward`. Up to `_DECODE_MAX_T` tokens it runs two GEMV kernels
+  here (decode; for one token the shared expert as one more slot of both, `moe_shared_in_slots`); past that the
+  grouped GEMMs of `fused_ops_moe_gemm` (prefill: a counting sort by expert, then the two GEMMs and the combine).
 
 Each op: kernel -> wrapper (validates; ValueError names the values) -> torch `name_ref` below it (dtypes: runtime).
 Shape alphabet here: T tokens, H hidden size, E experts, k experts per token, I expert intermediate size.

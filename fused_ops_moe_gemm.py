@@ -2,9 +2,10 @@
 """The routed experts of Qwen3.5-MoE for many tokens (prefill): grouped GEMMs over the experts the tokens picked.
 
 - `moe_experts_prefill`: `moe_experts` (in `fused_ops_moe`, which decides the path and validates) for T > 16 tokens:
-  the (token, slot) pairs sorted by expert (stable), a grouped GEMM of x with each expert's gate|up rows with the
-  SwiGLU in its epilogue, the grouped GEMM with the down projections writing each pair's row back in slot order,
-  then one pass that weighs and sums each token's k rows in slot order (float32) and adds the gated shared expert.
+  the (token, slot) pairs sorted by expert (stable; a counting sort, `_moe_sort_kernel`), a grouped GEMM of x with
+  each expert's gate|up rows with the SwiGLU in its epilogue, the grouped GEMM with the down projections writing
+  each pair's row back in slot order, then one pass that weighs and sums each token's k rows in slot order
+  (float32) and adds the gated shared expert.
   Replaces stock `Qwen3_5MoeExperts.forward` (eager loop, `batched_mm` or `grouped_mm`) and the shared-expert sum
   of `Qwen3_5MoeSparseMoeBlock.forward`.
 

@@ -9,8 +9,10 @@
 Each prefill candidate varies one GEMM's tiles (the other keeps its default) and times all of `moe_experts` at T
 tokens routed by the block's random router (CUDA events, median of --repeats); each decode candidate sets both GEMVs
 and times `moe_experts` with the shared expert as a slot replayed from a CUDA graph (as the decode step runs it: no
-host launch time), L2 flushed before each replay (a decode step meets the weights cold). Floors: the read of the experts the tokens pick (and the shared expert at decode) at the measured
-copy rate; at prefill also the routed FLOPs at the measured bf16 GEMM rate. The constants in the kernel modules cite
+host launch time), L2 flushed before each replay (a decode step meets the weights cold). On the H200 these decode
+rows ranked the tiles unlike the decode step's own profile (`benchmark_moe_model.py --profile`), which chose them. Floors: the read of the experts the
+tokens pick (and the shared expert at decode) at the measured copy rate; at prefill also the routed FLOPs at the
+measured bf16 GEMM rate. The constants in the kernel modules cite
 this script's run; it prints a table and writes `tune_moe.json` / `.md` to --out.
 """
 
@@ -128,8 +130,8 @@ def table(results: dict) -> str:
         lines.append(f"| {T} | decode floor | | {r['floor_ms']:.4f} | |")
         for row in r["candidates"]:
             ms = row.get("ms")
-            lines.append(f"| {T} | decode GEMVs | {row['tile']} | "
-                         + (f"{ms:.4f} | {ms / r['floor_ms']:.2f}x |" if ms is not None else f"{row['error'][:60]} | |"))
+            cells = f"{ms:.4f} | {ms / r['floor_ms']:.2f}x |" if ms is not None else f"{row['error'][:60]} | |"
+            lines.append(f"| {T} | decode GEMVs | {row['tile']} | " + cells)
     return "\n".join(lines) + "\n"
 
 
