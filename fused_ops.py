@@ -62,6 +62,8 @@ from .fused_ops_runtime import (
     kernels_available,
     pdl_enabled,
     reset_rng_after_failed_capture,
+    triton_cache_dir,
+    triton_cache_holds,
 )
 
 # The ops the model's fused path calls; each has a `name_ref` taking the same arguments.
@@ -132,4 +134,6 @@ __all__ = [
     "small_linear_ref",
     "swiglu",
     "swiglu_ref",
+    "triton_cache_dir",
+    "triton_cache_holds",
 ]

@@ -39,6 +39,7 @@ from .fused_ops_runtime import (
     reset_rng_after_failed_capture,
     tl,
     triton,
+    triton_cache_dir,
 )
 
 if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
@@ -429,7 +430,7 @@ _told_rows: set = set()  # (rows, device) announced as being timed
 
 def _record_path(device: torch.device) -> Path | None:
     """The record file for `device` in this environment, or None (no Triton cache directory)."""
-    cache_dir = getattr(getattr(getattr(triton, "knobs", None), "cache", None), "dir", None) if HAS_TRITON else None
+    cache_dir = triton_cache_dir()
     if not cache_dir or not RECORD_CHOICES:
         return None
     props = torch.cuda.get_device_properties(device)

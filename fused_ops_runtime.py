@@ -19,6 +19,7 @@ autotuner (`fused_ops_gemv`) and by the model's CUDA-graph code (through the `fu
 import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -111,6 +112,25 @@ if HAS_TRITON:
         _AsyncCompileMode = None
 else:
     _AsyncCompileMode = None
+
+
+def triton_cache_dir() -> str | None:
+    """Triton's on-disk kernel cache (`triton.knobs.cache.dir`, which TRITON_CACHE_DIR sets), or None."""
+    if not HAS_TRITON:
+        return None
+    return getattr(getattr(getattr(triton, "knobs", None), "cache", None), "dir", None) or None
+
+
+def triton_cache_holds(kernel_name: str) -> bool | None:
+    """Whether Triton's cache holds `kernel_name` compiled (Triton keeps `<hash>/<name>.json` beside the binary);
+    None where there is no cache folder to look in."""
+    root = triton_cache_dir()
+    if root is None:
+        return None
+    try:
+        return next(Path(root).glob(f"*/{kernel_name}.json"), None) is not None
+    except OSError:
+        return None
 
 
 def _device_guard(t: torch.Tensor):

@@ -22,7 +22,14 @@ from transformers.utils import logging
 
 from .configuration_qwen3_5_fused import resolve_switches
 from .fused_compat import GENERATE_HOOKS_REASON
-from .fused_ops import gemv_late_signal_min_elems, kernels_available, op_set, pdl_enabled
+from .fused_ops import (
+    gemv_late_signal_min_elems,
+    kernels_available,
+    op_set,
+    pdl_enabled,
+    triton_cache_dir,
+    triton_cache_holds,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -50,6 +57,25 @@ def announce(key: str, message: str) -> None:
 
 def announced() -> list[str]:
     return sorted(_announced)
+
+
+# The kernel every fused path compiles (the RMSNorm): when Triton's cache lacks it, the process is on a cold cache
+_PROBE_KERNEL = "_rms_norm_kernel"
+_cold_cache_checked = False
+
+
+def cold_cache_notice() -> None:
+    """Once per process, at the first fused plan on a GPU: when Triton's on-disk cache holds none of the fused
+    kernels, say that the first call compiles them (a fresh machine's first ``generate`` at 4B takes ~52 s on the
+    H200, docs/BENCHMARKS.md "The first call"), so that minute is not silent."""
+    global _cold_cache_checked
+    if _cold_cache_checked:
+        return
+    _cold_cache_checked = True
+    if triton_cache_holds(_PROBE_KERNEL) is False:
+        announce("cold-triton-cache", f"Qwen3.5 fused kernels: Triton's cache ({triton_cache_dir()}) holds none of "
+                 "them yet: the first forward or generate compiles them and runs fla's autotuning, about a minute at "
+                 "4B on an H200, once (stock pays the autotuning too); later calls and processes reuse the cache.")
 
 
 def _devices(text_model) -> tuple[torch.device, bool]:
@@ -109,6 +135,8 @@ class FusedPlan:
         self.decode_reason = (self.reason or self.kind_reasons["linear_attention"] or self.kind_reasons.get("moe")
                               or GENERATE_HOOKS_REASON)
         self.pdl = fused and pdl_enabled(self.device)
+        if fused and self.device.type == "cuda":
+            cold_cache_notice()
         return self
 
     def _model_reason(self, text_model) -> str | None:

@@ -320,6 +320,35 @@ def test_fallback_is_announced_once(monkeypatch):
     assert "stock transformers code" in calls[0] and ("cpu" in calls[0] or "CUDA" in calls[0])
 
 
+def test_a_cold_triton_cache_is_announced_once(tmp_path, monkeypatch):
+    """The first fused plan on a GPU says when Triton's cache holds none of the fused kernels (the next call compiles
+    for about a minute), once a process; with the kernels cached it says nothing. The cache layout read is Triton's
+    own (`<hash>/<kernel>.json`)."""
+    triton = pytest.importorskip("triton")
+    from scripts.common import import_module
+
+    runtime = import_module("fused_ops_runtime")
+    calls = []
+    monkeypatch.setattr(plan_mod.logger, "warning", lambda msg, *a, **k: calls.append(msg))
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    for cached in (False, True):
+        monkeypatch.setattr(plan_mod, "_announced", set())
+        monkeypatch.setattr(plan_mod, "_cold_cache_checked", False)
+        if cached:
+            (tmp_path / "ABC123").mkdir()
+            (tmp_path / "ABC123" / "_rms_norm_kernel.json").write_text("{}")
+        assert runtime.triton_cache_holds("_rms_norm_kernel") is cached
+        plan_mod.cold_cache_notice()
+        plan_mod.cold_cache_notice()
+        assert len(calls) == (0 if cached else 1), calls
+        calls.clear()
+    # no GPU here: building a fused model (a CPU plan) never looks
+    monkeypatch.setattr(plan_mod, "_cold_cache_checked", False)
+    monkeypatch.setattr(plan_mod, "triton_cache_holds", lambda name: pytest.fail("looked at the cache on CPU"))
+    stock_and_fused_lm()
+    assert plan_mod._cold_cache_checked is False
+
+
 def test_describe_reports_paths():
     _, fused = stock_and_fused_lm()
     d = fused.describe()
