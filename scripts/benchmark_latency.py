@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts.common import import_module, import_repo, real_text_kwargs, tiny_text_kwargs, write_report  # noqa: E402
+from scripts.common import (  # noqa: E402
+    import_module, import_repo, is_moe_shape, moe_text_kwargs, real_text_kwargs, tiny_text_kwargs, write_report,
+)
 
 
 def stock_cpu_guard(device):
@@ -112,15 +114,15 @@ def measure_ceilings(device: torch.device) -> dict:
 
 def build_pair(shape: str | None, model_id: str | None, device, dtype, seed: int = 0):
     """(stock, fused) models with identical weights. Random weights for `shape`, else loaded from `model_id`."""
-    configuration, modeling, _ = import_repo()
     stock = build_one(shape, model_id, device, dtype, fused=False, seed=seed)
     if model_id is not None:
         return stock, build_one(shape, model_id, device, dtype, fused=True)
-    kwargs = tiny_text_kwargs() if shape == "tiny" else real_text_kwargs(shape)
+    kwargs, _, fused_cls, fused_config = _classes(shape)
     # Build the fused model on the meta device and hand it the stock model's tensors (no second copy is
-    # allocated and then freed), then pack: packing copies each projection group once into its packed matrix.
+    # allocated and then freed), then pack: packing copies each projection group once into its packed matrix. (A MoE
+    # model's experts are not packed: the pair shares them, so 35B-A3B's pair fits one H200.)
     with torch.device("meta"):
-        fused = modeling.Qwen3_5FusedForCausalLM(configuration.Qwen3_5FusedTextConfig(**kwargs, fused_kernels=True))
+        fused = fused_cls(fused_config(**kwargs, fused_kernels=True))
     fused.load_state_dict(stock.state_dict(), assign=True)
     for name, buf in stock.named_buffers():  # non-persistent buffers (rotary inv_freq) are not in the state dict
         owner, _, attr = name.rpartition(".")
@@ -133,21 +135,32 @@ def build_pair(shape: str | None, model_id: str | None, device, dtype, seed: int
 def build_one(shape: str | None, model_id: str | None, device, dtype, fused: bool, seed: int = 0):
     """The stock or the fused model alone, as a user builds it (loaded from `model_id`, or random weights at `shape`
     built in `dtype` on `device`): what a cold start pays for, without the other model of `build_pair`."""
-    from transformers import AutoModelForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import AutoModelForCausalLM
 
     if model_id is not None:
         extra = {"trust_remote_code": True, "fused_kernels": True} if fused else {}
         return AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, **extra).to(device).eval()
-    configuration, modeling, _ = import_repo()
-    kwargs = tiny_text_kwargs() if shape == "tiny" else real_text_kwargs(shape)
-    config = (configuration.Qwen3_5FusedTextConfig(**kwargs, fused_kernels=True) if fused
-              else Qwen3_5TextConfig(**kwargs))
+    kwargs, (stock_cls, stock_config), fused_cls, fused_config = _classes(shape)
+    config = fused_config(**kwargs, fused_kernels=True) if fused else stock_config(**kwargs)
     torch.manual_seed(seed)
     # Built directly in the target dtype on the target device: 27B in bf16 is 54 GB; built in fp32 first it would
     # need 108 GB plus the cast's copy, more than one H200 holds.
     with torch.device(device):
-        cls = modeling.Qwen3_5FusedForCausalLM if fused else Qwen3_5ForCausalLM
-        return cls._from_config(config, dtype=dtype).eval()
+        return (fused_cls if fused else stock_cls)._from_config(config, dtype=dtype).eval()
+
+
+def _classes(shape: str):
+    """(config kwargs, (stock class, stock config class), fused class, fused config class) of a random-weight
+    `shape`: "tiny", a `REAL_SHAPES` size, or a MoE shape (`scripts.common.is_moe_shape`: "tiny-moe", "35B-A3B")."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    configuration, modeling, _ = import_repo()
+    if is_moe_shape(shape):
+        return (moe_text_kwargs(shape), (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig),
+                modeling.Qwen3_5MoeFusedForCausalLM, configuration.Qwen3_5MoeFusedTextConfig)
+    kwargs = tiny_text_kwargs() if shape == "tiny" else real_text_kwargs(shape)
+    return (kwargs, (Qwen3_5ForCausalLM, Qwen3_5TextConfig), modeling.Qwen3_5FusedForCausalLM,
+            configuration.Qwen3_5FusedTextConfig)
 
 
 def gpu_device_map(model, n: int) -> dict:

@@ -35,23 +35,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.benchmark_latency import (  # noqa: E402
     Timer, attention_flops, generate_tokens, log, measure_ceilings, stock_cpu_guard,
 )
-from scripts.common import REAL_COMMON, import_module, import_repo, tiny_moe_text_kwargs, write_report  # noqa: E402
+from scripts.common import (  # noqa: E402
+    REAL_MOE_SHAPES, import_module, import_repo, moe_text_kwargs, tiny_moe_text_kwargs, write_report,
+)
 
-# Qwen3.5-35B-A3B (also Qwen3.6-35B-A3B): the text model's shape
-REAL_MOE = {
-    "35B-A3B": dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
-                    linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
-                    moe_intermediate_size=512, shared_expert_intermediate_size=512, tie_word_embeddings=False),
-}
 STOCK_IMPLS = ("eager", "grouped_mm", "batched_mm")
 
 
 def moe_kwargs(shape: str) -> dict:
     if shape == "tiny":
         return tiny_moe_text_kwargs("E8-top2")
-    if shape not in REAL_MOE:
-        raise SystemExit(f"unknown --shape {shape!r}; choose tiny or one of {sorted(REAL_MOE)}")
-    return dict(REAL_COMMON, **REAL_MOE[shape])
+    if shape not in REAL_MOE_SHAPES:
+        raise SystemExit(f"unknown --shape {shape!r}; choose tiny or one of {sorted(REAL_MOE_SHAPES)}")
+    return moe_text_kwargs(shape)
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0, layers: int = 0):

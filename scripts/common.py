@@ -28,6 +28,12 @@ REAL_SHAPES = {
     "27B": dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
                 num_key_value_heads=4, linear_num_key_heads=16, linear_num_value_heads=48, tie_word_embeddings=False),
 }
+# Qwen3.5-35B-A3B (also Qwen3.6-35B-A3B): the MoE text model's shape (with REAL_COMMON)
+REAL_MOE_SHAPES = {
+    "35B-A3B": dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                    linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+                    moe_intermediate_size=512, shared_expert_intermediate_size=512, tie_word_embeddings=False),
+}
 REAL_COMMON = dict(
     vocab_size=248320, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
     rms_norm_eps=1e-6, max_position_embeddings=32768,
@@ -108,6 +114,20 @@ def tiny_moe_text_kwargs(shape: str = "E8-top2", **overrides) -> dict:
     kwargs.pop("intermediate_size")  # the MoE config has experts (moe_intermediate_size) and a shared expert instead
     kwargs.update(overrides)
     return kwargs
+
+
+def is_moe_shape(shape: str | None) -> bool:
+    """Whether `shape` names a MoE text model: a `REAL_MOE_SHAPES` key or "tiny-moe" (`TINY_MOE["E8-top2"]`)."""
+    return shape in REAL_MOE_SHAPES or shape == "tiny-moe"
+
+
+def moe_text_kwargs(shape: str, **overrides) -> dict:
+    """The `qwen3_5_moe_text` config kwargs of a MoE shape (`is_moe_shape`)."""
+    if shape == "tiny-moe":
+        return tiny_moe_text_kwargs("E8-top2", **overrides)
+    if shape not in REAL_MOE_SHAPES:
+        raise ValueError(f"unknown MoE shape {shape!r}; choose tiny-moe or one of {sorted(REAL_MOE_SHAPES)}")
+    return dict(REAL_COMMON, **REAL_MOE_SHAPES[shape], **overrides)
 
 
 def tiny_vision_kwargs(out_hidden_size: int) -> dict:

@@ -2,8 +2,8 @@
 
     # the small trained model shipped in this repo (held-out text in data/heldout.txt)
     python scripts/eval_quality.py --model . --dtype bfloat16 --out out/quality
-    # random real-shape models
-    python scripts/eval_quality.py --shapes 0.8B,4B --dtype bfloat16 --out out/quality
+    # random real-shape models; 35B-A3B is the MoE model (the pair shares its experts: ~73 GB on one H200)
+    python scripts/eval_quality.py --shapes 0.8B,4B,35B-A3B --dtype bfloat16 --out out/quality
     # CPU smoke run (CI): the fused classes fall back to stock there, so every number must show exact agreement
     python scripts/eval_quality.py --model . --device cpu --dtype float32 --max-windows 2 --new-tokens 8
 
@@ -106,7 +106,8 @@ def to_markdown(results: dict) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="folder or Hub id (e.g. '.' for the shipped model)")
-    p.add_argument("--shapes", default=None, help="comma list of real shapes with random weights (0.8B,4B,9B)")
+    p.add_argument("--shapes", default=None,
+                   help="comma list of shapes with random weights: 0.8B, 4B, 9B, 27B, 35B-A3B (MoE), tiny, tiny-moe")
     p.add_argument("--text", default=str(REPO / "data" / "heldout.txt"), help="held-out text (for --model)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

@@ -46,6 +46,18 @@ def test_benchmark_weight_accounting_counts_shared_storage_once():
     assert benchmark_latency.param_counts(fused) == benchmark_latency.param_counts(stock)
 
 
+def test_eval_quality_builds_the_moe_pair(tmp_path, fused_on_cpu):
+    """`--shapes tiny-moe`: a stock and a fused Qwen3.5-MoE model sharing their weights (the fused path emulated on
+    CPU, every kernel its torch reference), compared as the dense ones are."""
+    results = eval_quality.main(["--shapes", "tiny-moe", "--device", "cpu", "--dtype", "float32", "--max-windows", "2",
+                                 "--window", "32", "--new-tokens", "6", "--out", str(tmp_path)])
+    (r,) = results["models"]
+    assert r["path"]["moe"]["path"] == "fused" and "mlp" not in r["path"]
+    assert r["rel_logit_err"] <= 2e-5 and r["top1_agreement"] == 1.0
+    assert r["greedy"]["first_divergence"] is None and len(r["greedy"]["fused"]) == 6
+    assert "| random tiny-moe |" in (tmp_path / "quality.md").read_text()
+
+
 def test_eval_quality_on_shipped_model_cpu(tmp_path):
     results = eval_quality.main(["--model", str(REPO), "--shapes", "tiny", "--device", "cpu", "--dtype", "float32",
                                  "--max-windows", "2", "--window", "64", "--new-tokens", "6", "--out", str(tmp_path)])
