@@ -533,6 +533,39 @@ def test_forward_matches_stock_fp32_cuda(shape, batch, seq_len, padding):
             assert rel_err(got[valid], want[valid]) <= BOUND
 
 
+@pytest.mark.parametrize("shape", ["E64-top8", "E64-top8-equal-shared"])
+@pytest.mark.cuda
+def test_bf16_is_no_further_from_fp32_than_stock_bf16_cuda(shape):
+    """bf16, prefill and the batch-1 decode step: the fused logits no further from the fp32 answer (stock's IEEE torch
+    code on the same bf16-rounded weights) than stock's own bf16 logits, within `MOE_BF16_OVER_STOCK`."""
+    from helpers import ieee_stock
+
+    overrides = EQUAL_SHARED if shape == "E64-top8-equal-shared" else {}
+    stock, fused = (m.cuda() for m in stock_and_fused_moe_lm("E64-top8", dtype=torch.bfloat16, **overrides))
+    exact = ieee_stock(stock_and_fused_moe_lm("E64-top8", dtype=torch.bfloat16, **overrides)[0].float().cuda())
+    ids, _ = padded_batch(1, 33, None)
+    ids = ids.cuda()
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None,
+              return_dict_in_generate=True, output_logits=True)
+    with torch.inference_mode():
+        want = exact(input_ids=ids).logits
+        err = rel_err(fused(input_ids=ids).logits.float(), want)
+        err_stock = rel_err(stock(input_ids=ids).logits.float(), want)
+        assert err <= MOE_BF16_OVER_STOCK * err_stock, ("prefill", err, err_stock)
+        out = generate_fused(fused, ids, **kw)  # the decode steps' logits against the fp32 forward over the tokens
+        seq = out.sequences
+        want = exact(input_ids=seq).logits[:, ids.shape[1] - 1 : -1]
+        got = torch.stack(out.logits, 1).float()
+        err_stock = rel_err(stock(input_ids=seq).logits[:, ids.shape[1] - 1 : -1].float(), want)
+        assert rel_err(got, want) <= MOE_BF16_OVER_STOCK * err_stock
+
+
+# How much further from fp32 than stock's bf16 the fused bf16 logits may be: the ops' 1.25 (`MOE_OVER_STOCK` in
+# tests/ops/test_moe_ops.py) widened for a whole model, where one expert picked differently by a rounding moves a
+# token's logits in either path. Not yet calibrated on the H200 (written in a session without device time).
+MOE_BF16_OVER_STOCK = 1.5
+
+
 @pytest.mark.parametrize("shape,batch", [("E8-top2", 2), ("E64-top8", 2), ("E64-top8-equal-shared", 1)])
 @pytest.mark.cuda
 def test_greedy_generate_matches_stock_fp32_cuda(shape, batch):
