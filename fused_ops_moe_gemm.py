@@ -263,14 +263,17 @@ def moe_experts_prefill(x, gate_up, down, weights, ids, shared=None, shared_gate
         pdl = pdl_enabled(x.device)
         # grid axis 0 (fastest) over the columns: the programs running together share one expert's rows of x
         bm, bn, bk, warps, stages = _fit_tiles(gu_tiles, I, H, x.dtype)
+        tile_end = {bm: _tile_end(bounds, bm)}  # one table per BLOCK_M (the two GEMMs share it when theirs match)
         _moe_gate_up_gemm_kernel[(triton.cdiv(I, bn), _max_tiles(P, E, bm))](
-            x, gate_up, order, bounds, _tile_end(bounds, bm), h, E, I, H, x.stride(0),
+            x, gate_up, order, bounds, tile_end[bm], h, E, I, H, x.stride(0),
             TOP_K=k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, num_warps=warps, num_stages=stages,
             **common, **_pdl_launch(pdl),
         )
         bm, bn, bk, warps, stages = _fit_tiles(dn_tiles, H, I, x.dtype)
+        if bm not in tile_end:
+            tile_end[bm] = _tile_end(bounds, bm)
         _moe_down_gemm_kernel[(triton.cdiv(H, bn), _max_tiles(P, E, bm))](
-            h, down, order, bounds, _tile_end(bounds, bm), d, E, I, H,
+            h, down, order, bounds, tile_end[bm], d, E, I, H,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, num_warps=warps, num_stages=stages,
             **common, **_pdl_launch(pdl),
         )
