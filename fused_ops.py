@@ -11,7 +11,7 @@ validates its inputs, with a plain-torch `name_ref()` beside it taking the same 
 - `fused_ops_attention`: `attn_prep`, `sigmoid_gate_mul`, `decode_attention`, `mrope_step`.
 - `fused_ops_deltanet`: `causal_conv1d_step`, `gated_delta_rule_step`, `deltanet_prep`, `gated_delta_rule_prefill`
   (with `prefill_rule_kernel`).
-- `fused_ops_gemv`: `gemv`, `small_linear` (with `small_linear_choices`, `gemv_late_signal_min_elems`).
+- `fused_ops_gemv`: `gemv`, `skinny_gemm`, `small_linear` (with `small_linear_choices`, `gemv_late_signal_min_elems`).
 - `fused_ops_moe`: `moe_route`, `moe_experts` (Qwen3.5-MoE's sparse block; its prefill grouped GEMMs in
   `fused_ops_moe_gemm`).
 
@@ -49,6 +49,8 @@ from .fused_ops_gemv import (
     gemv,
     gemv_late_signal_min_elems,
     gemv_ref,
+    skinny_gemm,
+    skinny_gemm_ref,
     small_linear,
     small_linear_choices,
     small_linear_ref,
@@ -129,6 +131,8 @@ __all__ = [
     "rms_norm_ref",
     "sigmoid_gate_mul",
     "sigmoid_gate_mul_ref",
+    "skinny_gemm",
+    "skinny_gemm_ref",
     "small_linear",
     "small_linear_choices",
     "small_linear_ref",

@@ -1,13 +1,15 @@
 # Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
-"""The decode step's linears for 1-16 rows (GEMV) and the per-shape choice between it and cuBLAS.
+"""The decode step's linears (1-32 rows) and the per-shape choice between our kernels and cuBLAS.
 
-- `gemv`: `x @ w.T` as one weight read, optionally with the SwiGLU of the packed gate|up projection or the DeltaNet
-  conv step (`causal_conv1d_step` on the first columns, state in place) in its epilogue; replaces stock's
-  `nn.Linear` (and the `act_fn(gate) * up` / `causal_conv1d_update` launch after it) at decode.
-- `small_linear`: picks `gemv` (a `GemvConfig`) or cuBLAS per shape by timing both once in a CUDA graph, and
-  records the pick per card beside Triton's cache for later processes (`RECORD_CHOICES`);
-  `small_linear_choices` reports the picks, `gemv_late_signal_min_elems` the PDL late-signal threshold
-  (`_GEMV_LATE_TRIGGER_ELEMS`, read here: patch it on this module).
+- `gemv`: `x @ w.T` as one weight read on the CUDA cores (1-16 rows), optionally with the SwiGLU of the packed
+  gate|up projection or the DeltaNet conv step (`causal_conv1d_step` on the first columns, state in place) in its
+  epilogue; replaces stock's `nn.Linear` (and the `act_fn(gate) * up` / `causal_conv1d_update` launch after it) at
+  decode.
+- `skinny_gemm`: the same product on tensor cores for 2-32 rows (16-bit), optionally with the SwiGLU epilogue.
+- `small_linear`: picks cuBLAS, a `gemv` config (one row) or a `skinny_gemm` config (2-32 rows) per shape by timing
+  them once in a CUDA graph, and records the pick per card beside Triton's cache for later processes
+  (`RECORD_CHOICES`); `small_linear_choices` reports the picks, `gemv_late_signal_min_elems` the PDL late-signal
+  threshold (`_GEMV_LATE_TRIGGER_ELEMS`, read here: patch it on this module).
 
 Each op: kernel -> wrapper (validates; ValueError names the values) -> torch `name_ref` below it (dtypes: runtime).
 """
@@ -33,6 +35,8 @@ from .fused_ops_runtime import (
     _check_same_device,
     _check_triton,
     _device_guard,
+    _dot_in_f32,
+    _dot_precision,
     _pdl_launch,
     compile_in_parallel,
     pdl_enabled,
@@ -102,11 +106,11 @@ _GEMV_CONFIGS = tuple(GemvConfig(*c) for c in (
     (1, 512, 4, False, 2), (8, 256, 4, False, 2), (4, 2048, 8, False), (2, 2048, 8, False, 2),
 ))
 _GEMV_MAX_M = 16
-# `small_linear` times the GEMV against cuBLAS up to this many rows and takes cuBLAS past it without timing. cuBLAS
+# `small_linear` times the GEMV against cuBLAS up to this many rows (`skinny_gemm` past it). cuBLAS
 # won every 4B decode shape at 2 and at 4 rows (all six linears, full sweep in the decode step, H200, 2026-12-02)
 # and every decode shape at 8 rows (the best GEMV 1.1x-3x slower; docs/DESIGN.md), while timing a new row count
 # compiled the 14 configs of each kind of linear first: 9-28 s of the first call at batch 2-4 at 4B, for a choice
-# that came out cuBLAS. One row is where the GEMV wins (5 or 6 of the 6 4B shapes).
+# that came out cuBLAS. One row is where the GEMV wins (5 or 6 of the 6 4B shapes); more rows go to tensor cores.
 _GEMV_TIMED_MAX_M = 1
 # With PDL a GEMV of at least this many weight elements lets the next kernel launch only after its K loop, not at its
 # start. Launched at the start, the next kernel's programs (and, through its own early signal, the GEMV after it) take
@@ -221,6 +225,22 @@ if HAS_TRITON:
         tl.store(p_y, b_y.to(dt), mask=(o_m < M)[:, None] & m_n[None, :])
 
 
+def _check_linear(op: str, x: torch.Tensor, w: torch.Tensor, gate_up: bool, max_m: int) -> None:
+    """`gemv`'s / `skinny_gemm`'s shared checks: x [M, K] with 1 <= M <= max_m and a contiguous last dim, w [N, K]
+    contiguous in x's dtype on x's device, an even N with `gate_up`; a ValueError names the value."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"{op} needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}.")
+    if not 1 <= x.shape[0] <= max_m:
+        raise ValueError(f"{op} takes 1 to {max_m} rows, got M={x.shape[0]}.")
+    if w.dtype != x.dtype or not w.is_contiguous():
+        raise ValueError(f"{op} needs a contiguous weight in x's dtype ({x.dtype}), got {w.dtype}, "
+                         f"contiguous={w.is_contiguous()}.")
+    if gate_up and w.shape[0] % 2:
+        raise ValueError(f"{op} with gate_up needs an even number of weight rows (gate | up), got {w.shape[0]}.")
+    _check_same_device(x=x, w=w)
+    _check_last_dim_contiguous("x", x)
+
+
 def gemv(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -248,17 +268,7 @@ def gemv(
     """
     _check_triton("gemv")
     _check_float("x", x)
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"gemv needs x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}.")
-    if not 1 <= x.shape[0] <= _GEMV_MAX_M:
-        raise ValueError(f"gemv takes 1 to {_GEMV_MAX_M} rows, got M={x.shape[0]}.")
-    if w.dtype != x.dtype or not w.is_contiguous():
-        raise ValueError(f"gemv needs a contiguous weight in x's dtype ({x.dtype}), got {w.dtype}, "
-                         f"contiguous={w.is_contiguous()}.")
-    if gate_up and w.shape[0] % 2:
-        raise ValueError(f"gemv with gate_up needs an even number of weight rows (gate | up), got {w.shape[0]}.")
-    _check_same_device(x=x, w=w)
-    _check_last_dim_contiguous("x", x)
+    _check_linear("gemv", x, w, gate_up, _GEMV_MAX_M)
     M, K = x.shape
     N = w.shape[0] // 2 if gate_up else w.shape[0]
     state, conv_w, conv_b = conv if conv is not None else (w, w, None)
@@ -330,7 +340,149 @@ def gemv_ref(
     return swiglu_ref(y) if gate_up else y
 
 
-# Per (M, N, K, gate_up, dtype, device): the chosen implementation, "cublas" or a `_GEMV_CONFIGS` entry.
+# ---------------------------------------------------------------------------------------------------------------------
+# Decode-batch linear on tensor cores (2-32 rows)
+#
+# Why a second kernel: `gemv` multiplies on the CUDA cores, so its arithmetic grows with the rows while the weight read
+# does not; at 8 rows it lost to cuBLAS at every decode shape (1.1x-3x, H200). cuBLAS's small-M kernels in turn leave
+# the 4B batch-8 step at 1.71x the weight-read floor (docs/BENCHMARKS.md). Here each program streams a [BLOCK_N, K]
+# strip of the weight through a software pipeline (`num_stages` tiles in flight) and multiplies it against all rows of
+# x at once with `tl.dot` (rows padded to BLOCK_M = 16 or 32, the smallest tensor-core tile): the weight is read once
+# for up to 32 rows, and the arithmetic stays off the CUDA cores. 16-bit weights only (fp32 stays on cuBLAS, whose
+# fp32 GEMM does not round through TF32).
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class SkinnyConfig(NamedTuple):
+    """One `skinny_gemm` launch configuration: output columns per program, K per weight tile, warps, pipeline
+    stages (weight tiles in flight a program)."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+_SKINNY_MAX_M = 32
+# The configs `small_linear` times against cuBLAS, two a kind of linear (`_skinny_candidates`), from a sweep of 13 over
+# the 0.8B / 4B / 9B decode linears at 2, 8, 16 and 32 rows (`scripts/benchmark_gemv.py --kernels skinny`, H200,
+# 2026-12-02): (16, 256, 2, 4) was the fastest on the narrow matrices (out / down projections, 0.8B's inputs),
+# (64, 128, 4, 4) on the tall ones (4B / 9B inputs, LM heads within 1% of the best), (128, 128, 8, 3) on the 4B / 9B
+# gate|up and (32, 256, 4, 4) on 0.8B's. At 8 rows the best of them read 4B's linears in 0.87-1.04x cuBLAS's time
+# (the LM head 291 us against 313), 0.8B's in 0.72-1.02x.
+_SKINNY_CONFIGS = tuple(SkinnyConfig(*c) for c in ((16, 256, 2, 4), (64, 128, 4, 4), (32, 256, 4, 4), (128, 128, 8, 3)))
+
+
+def _skinny_candidates(gate_up: bool) -> tuple[SkinnyConfig, ...]:
+    """The `_SKINNY_CONFIGS` `small_linear` times for a kind of linear: two, so a first step at a new row count
+    compiles four kernels, not eight."""
+    return _SKINNY_CONFIGS[2:] if gate_up else _SKINNY_CONFIGS[:2]
+
+if HAS_TRITON:
+
+    @triton.jit(do_not_specialize=["M"])
+    def _skinny_gemm_kernel(
+        x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+        SWIGLU: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr,
+    ):
+        o_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns of this program
+        m_n = o_n < N
+        o_m = tl.arange(0, BLOCK_M)
+        m_m = o_m < M
+        dt = y_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if PDL and not LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # x is written by the kernel before
+        p_w0 = w_ptr + o_n.to(tl.int64)[:, None] * K
+        p_x0 = x_ptr + o_m[:, None] * stride_xm
+        for k0 in range(0, K, BLOCK_K):
+            o_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                m_w = m_n[:, None]
+                m_x = m_m[:, None]
+            else:
+                m_w = m_n[:, None] & (o_k < K)[None, :]
+                m_x = m_m[:, None] & (o_k < K)[None, :]
+            b_x = tl.load(p_x0 + o_k[None, :], mask=m_x, other=0.0)  # [BM, BK]
+            b_w = tl.load(p_w0 + o_k[None, :], mask=m_w, other=0.0)  # [BN, BK]
+            if DOT_F32:  # the interpreter (see `_dot_in_f32`)
+                b_x, b_w = b_x.to(tl.float32), b_w.to(tl.float32)
+            acc = tl.dot(b_x, tl.trans(b_w), acc, input_precision=PRECISION)
+            if SWIGLU:  # the up rows sit N rows below the gate rows of the packed gate|up matrix
+                b_wu = tl.load(p_w0 + N.to(tl.int64) * K + o_k[None, :], mask=m_w, other=0.0)
+                if DOT_F32:
+                    b_wu = b_wu.to(tl.float32)
+                acc_u = tl.dot(b_x, tl.trans(b_wu), acc_u, input_precision=PRECISION)
+        if LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
+        b_y = _round_to(acc, dt)  # the linear's output, rounded once as cuBLAS rounds it
+        if SWIGLU:  # stock: silu(gate) rounded, times up (rounded), rounded
+            b_s = _round_to(b_y / (1.0 + tl.exp(-b_y)), dt)
+            b_y = _round_to(b_s * _round_to(acc_u, dt), dt)
+        p_y = y_ptr + o_m[:, None] * stride_ym + o_n[None, :]
+        tl.store(p_y, b_y.to(dt), mask=m_m[:, None] & m_n[None, :])
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    gate_up: bool = False,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """`x @ w.T` for a decode batch of rows on tensor cores, as one weight read; with `gate_up`,
+    `silu(x @ g.T) * (x @ u.T)` for `w = [g; u]`. Replaces stock's `nn.Linear` (and the SwiGLU after the gate|up
+    projection) at a decode step of 2-32 rows.
+
+    Args:
+        x: [M, K], 1 <= M <= 32, bfloat16 / float16, last dim contiguous (any row stride).
+        w: [N, K] contiguous, x's dtype and device; with `gate_up`, [2*I, K] (gate rows, then up rows).
+        config: a `SkinnyConfig` or a tuple of its fields (BLOCK_N, BLOCK_K, num_warps, num_stages); default the
+            first of `_SKINNY_CONFIGS`.
+
+    Returns:
+        y [M, N] (or [M, I] with `gate_up`) contiguous, in x.dtype: fp32 accumulation, one rounding (then `swiglu`'s
+        roundings), as `F.linear` (+ `swiglu`); the sum's order differs from cuBLAS's.
+    """
+    _check_triton("skinny_gemm")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"skinny_gemm takes bfloat16 or float16 x, got {x.dtype}; use F.linear for float32.")
+    _check_linear("skinny_gemm", x, w, gate_up, _SKINNY_MAX_M)
+    cfg = SkinnyConfig(*(config or _SKINNY_CONFIGS[0]))
+    y = torch.empty(x.shape[0], w.shape[0] // 2 if gate_up else w.shape[0], dtype=x.dtype, device=x.device)
+    with _device_guard(x):
+        _skinny_launch(x, w, y, gate_up, cfg)
+    return y
+
+
+def _skinny_launch(x, w, y, gate_up: bool, cfg: SkinnyConfig, warmup: bool = False):
+    """Launch `_skinny_gemm_kernel` for `skinny_gemm`'s (validated) arguments; with `warmup`, only compile it. The
+    current device must be x's."""
+    (M, K), N = x.shape, y.shape[1]
+    BLOCK_K = min(cfg.block_k, max(16, triton.next_power_of_2(K)))
+    pdl = pdl_enabled(x.device)
+    grid = (triton.cdiv(N, cfg.block_n),)
+    launch = functools.partial(_skinny_gemm_kernel.warmup, grid=grid) if warmup else _skinny_gemm_kernel[grid]
+    return launch(
+        x, w, y, M, N, K, x.stride(0), y.stride(0),
+        SWIGLU=gate_up, EVEN_K=K % BLOCK_K == 0, DOT_F32=_dot_in_f32(x),
+        PRECISION=_dot_precision(x.dtype), BLOCK_M=16 if M <= 16 else 32, BLOCK_N=cfg.block_n,
+        BLOCK_K=BLOCK_K, PDL=pdl, LATE_TRIGGER=_gemv_late_trigger(w, pdl), num_warps=cfg.warps,
+        num_stages=cfg.stages, **_pdl_launch(pdl),
+    )
+
+
+def skinny_gemm_ref(x: torch.Tensor, w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+    """Plain-torch `skinny_gemm`: `F.linear`, then stock's SwiGLU for `gate_up`."""
+    return gemv_ref(x, w, gate_up)
+
+
+# Per (M, N, K, gate_up, dtype, device): the chosen implementation, "cublas", a `_GEMV_CONFIGS` or a `_SKINNY_CONFIGS`
+# entry.
 _small_linear_choice: dict = {}
 _timing_failed: set = set()
 
@@ -406,13 +558,19 @@ def _time_in_graph_ms(call, weights: list[torch.Tensor], passes: int = 2) -> flo
 
 
 def _run_small_linear(x, w, gate_up, choice, conv=None):
+    """One call of `small_linear`'s `choice`: `gemv` (the conv step in its epilogue), or cuBLAS / `skinny_gemm`
+    (with `gate_up` and the SwiGLU), then the conv step in place on the first C columns (one more launch)."""
+    if isinstance(choice, GemvConfig):
+        return gemv(x, w, gate_up, choice, conv)
     if choice == "cublas":
         y = torch.nn.functional.linear(x, w)
-        if conv is not None:  # the conv step in place on the first C columns: one more launch
-            C = conv[0].shape[1]
-            causal_conv1d_step(y[:, :C], *conv, out=y[:, :C])
-        return swiglu(y) if gate_up else y
-    return gemv(x, w, gate_up, choice, conv)
+        y = swiglu(y) if gate_up else y
+    else:
+        y = skinny_gemm(x, w, gate_up, choice)
+    if conv is not None:
+        C = conv[0].shape[1]
+        causal_conv1d_step(y[:, :C], *conv, out=y[:, :C])
+    return y
 
 
 # The per-card record of the choices. Timing a new decode shape compiles and times every candidate (tens of seconds
@@ -421,11 +579,11 @@ def _run_small_linear(x, w, gate_up, choice, conv=None):
 # triton, candidate list and PDL setting: a later process on the same card reads the choice and compiles only that
 # kernel. Clearing Triton's cache clears the record with the kernels. The file is rewritten whole (temp file + rename)
 # under a lock per process; two processes writing at once can drop each other's new entries, never corrupt the file.
-_RECORD_VERSION = 1
+_RECORD_VERSION = 2
 RECORD_CHOICES = True  # False: neither read nor write the record (a benchmark that must time every shape)
 _record_lock = threading.Lock()
 _records: dict = {}  # path -> {key string: choice as JSON}, read once per process
-_told_rows: set = set()  # (rows, device) announced as being timed
+_told_rows: set = set()  # (row tier, device) announced as being timed (`_row_tier`)
 
 
 def _record_path(device: torch.device) -> Path | None:
@@ -435,7 +593,7 @@ def _record_path(device: torch.device) -> Path | None:
         return None
     props = torch.cuda.get_device_properties(device)
     env = (_RECORD_VERSION, props.name, props.major, props.minor, torch.__version__, triton.__version__,
-           _GEMV_CONFIGS, _GEMV_ACC_REGS, pdl_enabled(device))
+           _GEMV_CONFIGS, _GEMV_ACC_REGS, _SKINNY_CONFIGS, pdl_enabled(device))
     tag = hashlib.sha256(repr(env).encode()).hexdigest()[:16]
     return Path(cache_dir) / "qwen3_5_fused" / f"small_linear_{tag}.json"
 
@@ -455,7 +613,7 @@ def _load_record(path: Path) -> dict:
 
 
 def recorded_choice(path: Path | None, key: tuple):
-    """The choice recorded for `key` ("cublas" or a `GemvConfig`), or None."""
+    """The choice recorded for `key` ("cublas", a `GemvConfig` or a `SkinnyConfig`), or None."""
     if path is None:
         return None
     with _record_lock:
@@ -464,7 +622,9 @@ def recorded_choice(path: Path | None, key: tuple):
         saved = _records[path].get(_record_key(key))
     if saved == "cublas":
         return saved
-    if isinstance(saved, list) and GemvConfig(*saved) in _GEMV_CONFIGS:
+    if isinstance(saved, list) and saved[:1] == ["skinny"] and tuple(saved[1:]) in _SKINNY_CONFIGS:
+        return SkinnyConfig(*saved[1:])
+    if isinstance(saved, list) and tuple(saved) in _GEMV_CONFIGS:
         return GemvConfig(*saved)
     return None
 
@@ -475,7 +635,8 @@ def record_choice(path: Path | None, key: tuple, choice) -> None:
         return
     with _record_lock:
         record = {**_records.get(path, {}), **_load_record(path)}
-        record[_record_key(key)] = choice if choice == "cublas" else list(choice)
+        record[_record_key(key)] = (choice if choice == "cublas" else
+                                    ["skinny", *choice] if isinstance(choice, SkinnyConfig) else list(choice))
         _records[path] = record
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -486,32 +647,68 @@ def record_choice(path: Path | None, key: tuple, choice) -> None:
             logging.getLogger(__name__).info("Qwen3.5 fused kernels: could not record %s (%s).", path, err)
 
 
+def _row_tier(rows: int) -> str:
+    """The row counts that share `small_linear`'s compiled candidates: one row (the `gemv` configs), 2-16 and 17-32
+    (`skinny_gemm` at BLOCK_M 16 / 32; the row count is a run-time value of the kernel)."""
+    return "1" if rows <= _GEMV_TIMED_MAX_M else "2-16" if rows <= 16 else "17-32"
+
+
 def _announce_timing(rows: int, device: torch.device, path: Path | None) -> None:
-    """One log line the first time a decode shape with `rows` rows is timed on `device` in this process."""
-    if (rows, device) in _told_rows:
+    """One log line the first time a decode shape of `rows`' tier (`_row_tier`) is timed on `device` in this
+    process: that step compiles the tier's candidates."""
+    tier = _row_tier(rows)
+    if (tier, device) in _told_rows:
         return
-    _told_rows.add((rows, device))
+    _told_rows.add((tier, device))
     where = f"; the choices are recorded in {path.parent} for later processes" if path is not None else ""
+    how_long = "tens of seconds" if tier == "1" else "a few seconds"
     logging.getLogger(__name__).warning(
-        "Qwen3.5 fused kernels: first decode step with %d row(s) on this card: compiling and timing its linear "
-        "kernels once (this call can take tens of seconds%s).", rows, where)
+        "Qwen3.5 fused kernels: first decode step with %s row(s) on this card: compiling and timing its linear "
+        "kernels once (this call can take %s%s).", tier, how_long, where)
 
 
-def _time_candidates(x, w, gate_up, conv) -> dict:
-    """ms per call of each candidate ("cublas" and the `_GEMV_CONFIGS`) for this shape, as the captured step runs
-    them (see `_time_in_graph_ms`); a candidate that fails is left out, said once."""
+def _candidates(x: torch.Tensor, gate_up: bool) -> tuple:
+    """What `small_linear` times for x's row count: the `gemv` configs at one row, two `skinny_gemm` configs at
+    2-32 rows of a 16-bit dtype (`_skinny_candidates`), nothing else (cuBLAS is always timed)."""
+    rows = x.shape[0]
+    if rows <= _GEMV_TIMED_MAX_M:
+        return _GEMV_CONFIGS
+    if rows <= _SKINNY_MAX_M and x.dtype in (torch.bfloat16, torch.float16):
+        return _skinny_candidates(gate_up)
+    return ()
+
+
+def _ahead_of_more_rows(x, w, gate_up) -> list:
+    """At one row, the warm-up launches of the `skinny_gemm` candidates for 2-16 rows of this shape (same
+    specialisation as the step's: x's row stride, 16-bit dtype), so they compile with the GEMV candidates in the
+    first step's pool and a later first step at 2-16 rows only times them. Why: compiled at that step instead, their
+    four compiles (2.14 s summed on the H200, 4B, empty Triton cache, 2026-12-02) took the first batch-2 call to a
+    2.59 s stall, past the 2 s target; in the one-row pool they overlap compiles that run anyway."""
+    if x.shape[0] > _GEMV_TIMED_MAX_M or x.dtype not in (torch.bfloat16, torch.float16):
+        return []
+    K = x.shape[1]
+    x2 = torch.empty_strided((2, K), (max(x.stride(0), K), 1), dtype=x.dtype, device=x.device)
+    y2 = torch.empty(2, w.shape[0] // 2 if gate_up else w.shape[0], dtype=x.dtype, device=x.device)
+    return [functools.partial(_skinny_launch, x2, w, y2, gate_up, cfg, True) for cfg in _skinny_candidates(gate_up)]
+
+
+def _time_candidates(x, w, gate_up, conv, candidates) -> dict:
+    """ms per call of "cublas" and each of `candidates` for this shape, as the captured step runs them (see
+    `_time_in_graph_ms`); a candidate that fails is left out, said once."""
     with torch.cuda.device(x.device):  # the events must time x's device (device_map puts layers elsewhere)
         weights = _timing_weights(w)
         # with the conv, as it will run (cuBLAS then pays the conv step's launch), on a copy of its state
         scratch = (conv[0].clone(), *conv[1:]) if conv is not None else None
-        # every GEMV candidate compiled at once (`compile_in_parallel`), then each timed on its compiled kernel
+        # every kernel candidate compiled at once (`compile_in_parallel`), then each timed on its compiled kernel
         n = w.shape[0] // 2 if gate_up else w.shape[0]
         y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-        compile_in_parallel(functools.partial(_gemv_launch, x, w, y, gate_up, cfg, scratch, True)
-                            for cfg in _GEMV_CONFIGS)
+        warmups = [functools.partial(_skinny_launch, x, w, y, gate_up, cfg, True) if isinstance(cfg, SkinnyConfig)
+                   else functools.partial(_gemv_launch, x, w, y, gate_up, cfg, scratch, True) for cfg in candidates]
+        warmups += _ahead_of_more_rows(x, w, gate_up)
+        compile_in_parallel(warmups)
         del y
         timings = {}
-        for cand in ("cublas", *_GEMV_CONFIGS):
+        for cand in ("cublas", *candidates):
             try:
                 timings[cand] = _time_in_graph_ms(
                     lambda w_, cand=cand: _run_small_linear(x, w_, gate_up, cand, scratch), weights)
@@ -539,15 +736,17 @@ def small_linear(
     step's eager warm-up): read from the card's record on disk (`recorded_choice`) if an earlier process made it,
     else timed as the captured step runs it (each candidate in a CUDA graph over the weight and copies of it, weights
     cold in L2, `_time_in_graph_ms`; with the conv on a copy of its state, so cuBLAS's extra conv launch is timed too)
-    and recorded; kept for the process. A shape first met inside a capture, more than `_GEMV_TIMED_MAX_M` (1) row,
-    or a weight `gemv` does not take, uses cuBLAS. One decision point."""
+    and recorded; kept for the process. The candidates (`_candidates`): the `gemv` configs at one row, two
+    `skinny_gemm` configs at 2-32 rows of a 16-bit dtype (the conv step then a launch of its own, as after cuBLAS).
+    A shape first met inside a capture, with no candidate, or a weight the kernels do not take, uses cuBLAS. One
+    decision point."""
     key = (x.shape[0], w.shape[0], w.shape[1], gate_up, x.dtype, x.device)
     choice = _small_linear_choice.get(key)
     if choice is not None:
         return _run_small_linear(x, w, gate_up, choice, conv)
-    eligible = (HAS_TRITON and x.is_cuda and x.shape[0] <= _GEMV_TIMED_MAX_M and w.is_contiguous()
-                and w.dtype == x.dtype)
-    if not eligible or torch.cuda.is_current_stream_capturing():
+    eligible = HAS_TRITON and x.is_cuda and w.is_contiguous() and w.dtype == x.dtype
+    candidates = _candidates(x, gate_up) if eligible else ()
+    if not candidates or torch.cuda.is_current_stream_capturing():
         _small_linear_choice[key] = "cublas"
         return _run_small_linear(x, w, gate_up, "cublas", conv)
     path = _record_path(x.device)
@@ -560,7 +759,7 @@ def small_linear(
         except Exception:  # noqa: BLE001 - fall through to timing (conv state untouched: a launch failed first)
             pass
     _announce_timing(x.shape[0], x.device, path)
-    timings = _time_candidates(x, w, gate_up, conv)
+    timings = _time_candidates(x, w, gate_up, conv, candidates)
     # cuBLAS is the reference point: if it could not be timed (a capture that fails here), nothing is compared
     choice = min(timings, key=timings.get) if "cublas" in timings else "cublas"
     if "cublas" in timings:

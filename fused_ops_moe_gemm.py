@@ -15,7 +15,16 @@ Shape alphabet: T tokens, H hidden size, E experts, k experts per token, I exper
 
 import torch
 
-from .fused_ops_runtime import HAS_TRITON, _device_guard, _pdl_launch, pdl_enabled, tl, triton
+from .fused_ops_runtime import (
+    HAS_TRITON,
+    _device_guard,
+    _dot_in_f32,
+    _dot_precision,
+    _pdl_launch,
+    pdl_enabled,
+    tl,
+    triton,
+)
 
 if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
     from .fused_ops_runtime import _pdl_wait, _round_to
@@ -184,21 +193,6 @@ if HAS_TRITON:
             acc += b_s / (1.0 + tl.exp(-b_sg))[:, None]
         dt = y_ptr.dtype.element_ty
         tl.store(y_ptr + o_t[:, None] * stride_yt + o_n[None, :], _round_to(acc, dt).to(dt), mask=m)
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    """`tl.dot`'s input precision: float32 as torch's matmuls run it (IEEE at the default "highest" precision,
-    TF32 after `torch.set_float32_matmul_precision("high")`, as stock's `F.linear` then); others are exact inputs."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"
-
-
-def _dot_in_f32(x: torch.Tensor) -> bool:
-    """Whether the GEMMs cast their bf16 / fp16 tiles to float32 before `tl.dot`: only on CPU tensors, i.e. under
-    the Triton interpreter, whose `tl.dot` multiplies bfloat16 operands' raw bits (triton 3.9: 2e10 off on a 16x16
-    product). Exact: a bf16 / fp16 product is exact in float32 and the GPU's dot accumulates in float32 too."""
-    return not x.is_cuda
 
 
 def _sort_pairs(ids: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -183,6 +183,21 @@ def _pdl_launch(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+def _dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input precision: float32 as torch's matmuls run it (IEEE at the default "highest" precision,
+    TF32 after `torch.set_float32_matmul_precision("high")`, as stock's `F.linear` then); others are exact inputs."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+def _dot_in_f32(x: torch.Tensor) -> bool:
+    """Whether our `tl.dot` kernels cast their bf16 / fp16 tiles to float32 before `tl.dot`: only on CPU tensors,
+    i.e. under the Triton interpreter, whose `tl.dot` multiplies bfloat16 operands' raw bits (triton 3.9: 2e10 off on
+    a 16x16 product). Exact: a bf16 / fp16 product is exact in float32 and the GPU's dot accumulates in float32 too."""
+    return not x.is_cuda
+
+
 def _check_triton(op: str) -> None:
     if not HAS_TRITON:
         raise RuntimeError(f"fused_ops.{op} needs triton, which is not installed; use {op}_ref instead.")

@@ -318,7 +318,8 @@ class _FusedPreTrainedMixin:
             # the per-shape choice of small_linear, timed at a first decode step in this process
             "linears": {
                 f"{m}x{n}x{k}{' gate|up+SwiGLU' if gate_up else ''} {str(dtype).removeprefix('torch.')} {dev}":
-                "cublas" if choice == "cublas" else f"gemv {choice!r}"
+                "cublas" if choice == "cublas"
+                else f"{'skinny_gemm' if type(choice).__name__ == 'SkinnyConfig' else 'gemv'} {choice!r}"
                 for (m, n, k, gate_up, dtype, dev), choice in small_linear_choices().items()
             },
             "reason": plan.decode_reason,

@@ -1,5 +1,6 @@
-"""The decode step's linears, one by one: cuBLAS against each `fused_ops_gemv.gemv` config, timed as the step meets
-them, and what `fused_ops_gemv.small_linear` picks for each shape in this process.
+"""The decode step's linears, one by one: cuBLAS against each `fused_ops_gemv.gemv` config (1-16 rows) and each
+`fused_ops_gemv.skinny_gemm` config (2-32 rows, 16-bit), timed as the step meets them, and what
+`fused_ops_gemv.small_linear` picks for each shape in this process.
 
     python scripts/benchmark_gemv.py --shapes 0.8B,4B,9B --rows 1,8 --out out/gemv
 
@@ -30,6 +31,15 @@ _OTHERS = ((4, 1024, 4, False), (16, 256, 8, False), (4, 2048, 8, False), (8, 10
            (4, 256, 8, False))
 
 
+# `skinny_gemm` configs beyond `fused_ops_gemv._SKINNY_CONFIGS`: other tiles and pipeline depths.
+_SKINNY_OTHERS = ((16, 128, 4, 6), (16, 1024, 4, 2), (32, 512, 4, 3), (16, 256, 2, 4), (64, 128, 4, 6))
+
+
+def skinny_configs(fused_ops_gemv) -> tuple:
+    return tuple(dict.fromkeys((*fused_ops_gemv._SKINNY_CONFIGS,
+                                *(fused_ops_gemv.SkinnyConfig(*c) for c in _SKINNY_OTHERS))))
+
+
 def extra_configs(fused_ops_gemv) -> tuple:
     base = [fused_ops_gemv.GemvConfig(*c) for c in (*fused_ops_gemv._GEMV_CONFIGS, *_OTHERS)]
     return tuple(c._replace(unroll=u) for u in (1, 2, 4) for c in base)
@@ -53,8 +63,9 @@ def decode_linears(size: str) -> dict:
     }
 
 
-def sweep(fused_ops_gemv, sizes, rows, dtype) -> dict:
+def sweep(fused_ops_gemv, sizes, rows, dtype, kernels=("gemv", "skinny")) -> dict:
     configs = tuple(dict.fromkeys(fused_ops_gemv._GEMV_CONFIGS + extra_configs(fused_ops_gemv)))
+    skinny = skinny_configs(fused_ops_gemv) if dtype != torch.float32 else ()
     fused_ops_gemv.RECORD_CHOICES = False  # small_linear's pick is timed here, not read from an earlier process
     results = {}
     for size in sizes:
@@ -66,11 +77,12 @@ def sweep(fused_ops_gemv, sizes, rows, dtype) -> dict:
                 x = torch.randn(M, K, device="cuda", dtype=dtype)
                 row = {"cublas": 1e3 * fused_ops_gemv._time_in_graph_ms(
                     lambda w: fused_ops_gemv._run_small_linear(x, w, gate_up, "cublas"), weights)}
-                for config in configs:
-                    if M > fused_ops_gemv._GEMV_MAX_M:
-                        break
+                for config in configs if "gemv" in kernels and M <= fused_ops_gemv._GEMV_MAX_M else ():
                     row[str(config)] = 1e3 * fused_ops_gemv._time_in_graph_ms(
                         lambda w, c=config: fused_ops_gemv.gemv(x, w, gate_up, c), weights)
+                for config in skinny if "skinny" in kernels and M <= fused_ops_gemv._SKINNY_MAX_M else ():
+                    row[str(config)] = 1e3 * fused_ops_gemv._time_in_graph_ms(
+                        lambda w, c=config: fused_ops_gemv.skinny_gemm(x, w, gate_up, c), weights)
                 fused_ops_gemv._small_linear_choice.clear()
                 fused_ops_gemv.small_linear(x, weights[0], gate_up)
                 (choice,) = fused_ops_gemv._small_linear_choice.values()
@@ -93,6 +105,7 @@ def main(argv=None):
     p.add_argument("--shapes", default="0.8B,4B,9B")
     p.add_argument("--rows", default="1,8", help="comma list of decode batch sizes (rows of x)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--kernels", default="gemv,skinny", help="comma list of the kernels timed against cuBLAS")
     p.add_argument("--out", default="out/gemv")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -101,7 +114,7 @@ def main(argv=None):
     if reason is not None:
         raise SystemExit(f"the fused kernels cannot run here: {reason}.")
     results = sweep(import_module("fused_ops_gemv"), args.shapes.split(","), [int(r) for r in args.rows.split(",")],
-                    getattr(torch, args.dtype))
+                    getattr(torch, args.dtype), tuple(args.kernels.split(",")))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python scripts/benchmark_gemv.py " + " ".join(argv if argv is not None else sys.argv[1:]),

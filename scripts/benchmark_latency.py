@@ -377,8 +377,9 @@ def decode_speed(models: dict, batch: int, prompt_len: int, new_tokens: int, dev
             linears = {k: v for k, v in decode.get("linears", {}).items() if k.startswith(f"{batch}x")}
             if linears:
                 out[name]["linears"] = linears
-                gemv = sum(v != "cublas" for v in linears.values())
-                log(f"decode batch={batch} {name}: GEMV chosen for {gemv} of {len(linears)} linear shapes")
+                ours = sum(v != "cublas" for v in linears.values())
+                log(f"decode batch={batch} {name}: our kernel (GEMV / skinny GEMM) chosen for {ours} of "
+                    f"{len(linears)} linear shapes")
         if name == "fused-no-pdl":  # back to the default for what runs next
             fused_ops_runtime.PDL_ENABLED = True
             model.set_fused_kernels(False).set_fused_kernels(True)

@@ -478,14 +478,14 @@ def test_rejects_bad_inputs(case):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def check_gemv(device, dtype, M, N, K, gate_up, config=None, seed=0):
-    """`gemv` on a strided x (a column slice of a wider buffer, as the step passes it) against `gemv_ref`; the output
-    is poisoned first so an unwritten element shows as NaN."""
+def check_gemv(device, dtype, M, N, K, gate_up, config=None, seed=0, op="gemv"):
+    """`gemv` (or `op`, e.g. "skinny_gemm") on a strided x (a column slice of a wider buffer, as the step passes it)
+    against its `_ref`; no element left unwritten (NaN)."""
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(M, K + 24, generator=gen) * 0.5).to(device, dtype)[:, 8 : 8 + K]
     w = (torch.randn(2 * N if gate_up else N, K, generator=gen) / K**0.5).to(device, dtype)
-    y = fused_ops.gemv(x, w, gate_up, config)
-    want = fused_ops.gemv_ref(x, w, gate_up)
+    y = getattr(fused_ops, op)(x, w, gate_up, config)
+    want = getattr(fused_ops, op + "_ref")(x, w, gate_up)
     assert y.shape == want.shape and y.dtype == dtype and y.is_contiguous()
     assert not y.isnan().any()
     err = rel_err(y.float(), want.float())
@@ -633,6 +633,34 @@ def test_gemv_rejects_bad_inputs(case, match):
         fused_ops.gemv(*args)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("M", [1, 2, 7, 16, 17, 32])
+@pytest.mark.parametrize("N,K,gate_up", [(48, 64, False), (21, 50, True), (33, 96, False)],
+                         ids=["even", "gate_up-partial-k", "partial-n"])
+def test_skinny_gemm_cpu(dtype, M, N, K, gate_up):
+    """Both row tiles (16 and 32 rows), a K that leaves a partial tile, an N that leaves a partial program."""
+    check_gemv("cpu", dtype, M, N, K, gate_up, config=(16, 32, 4, 2), op="skinny_gemm")
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("rows", "1 to 32 rows"),
+        ("fp32", "bfloat16 or float16 x, got torch.float32"),
+        ("k", r"x \[M, K\] and w \[N, K\]"),
+        ("odd", "even number of weight rows"),
+        ("dtype", "contiguous weight in x's dtype"),
+    ],
+)
+def test_skinny_gemm_rejects_bad_inputs(case, match):
+    x, w = torch.randn(2, 16, dtype=torch.bfloat16), torch.randn(12, 16, dtype=torch.bfloat16)
+    args = {"rows": (torch.randn(33, 16, dtype=torch.bfloat16), w, False), "fp32": (x.float(), w.float(), False),
+            "k": (x, w[:, :8], False), "odd": (x, w[:11], True), "dtype": (x, w.half(), False)}[case]
+    with pytest.raises(ValueError, match=match):
+        fused_ops.skinny_gemm(*args)
+
+
 _SM90_CALLS = r"""
 compile_(fused_ops_deltanet._causal_conv1d_step_kernel,
          dict(x_ptr="*bf16", s_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", y_ptr="*bf16"),
@@ -669,6 +697,12 @@ for i, c in enumerate(configs):
         ptx = kernel.asm["ptx"]
         launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
         assert (launch > wait) == late and ptx.count("griddepcontrol.launch_dependents") == 1, (c, late)
+# every skinny GEMM config, at both row tiles, with and without the SwiGLU epilogue (and a partial K tile)
+for i, c in enumerate(fused_ops_gemv._SKINNY_CONFIGS):
+    for block_m, swiglu in ((16, i % 2 == 0), (32, i % 2 == 1)):
+        compile_(fused_ops_gemv._skinny_gemm_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16"),
+                 dict(SWIGLU=swiglu, EVEN_K=block_m == 16, DOT_F32=False, PRECISION="tf32", BLOCK_M=block_m,
+                      BLOCK_N=c.block_n, BLOCK_K=c.block_k, LATE_TRIGGER=i % 2 == 1), c.warps, c.stages)
 """
 
 
@@ -728,9 +762,11 @@ def test_mrope_step_rejects_bad_inputs():
 
 
 def test_kernels_compile_for_sm90():
-    """The real-shape variants of this file's kernels compile for sm_90 (each GEMV config, and two more unrolled; the
-    GPU tests run every config with every epilogue); `mrope_step`'s cos / sin are not the approximate instructions."""
-    assert compile_for_sm90(_SM90_CALLS) == 4 + len(fused_ops_gemv._GEMV_CONFIGS) + 2
+    """The real-shape variants of this file's kernels compile for sm_90 (each GEMV config, and two more unrolled; each
+    skinny GEMM config at both row tiles; the GPU tests run every config with every epilogue); `mrope_step`'s cos /
+    sin are not the approximate instructions."""
+    assert compile_for_sm90(_SM90_CALLS) == (4 + len(fused_ops_gemv._GEMV_CONFIGS) + 2
+                                            + 2 * len(fused_ops_gemv._SKINNY_CONFIGS))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -852,6 +888,20 @@ _GEMV_CUDA_EXTRA = ((8, 512, 4, False, 2), (2, 1024, 4, False, 4), (2, 256, 4), 
 def test_gemv_cuda(dtype, M, N, K, gate_up):
     for config in (*fused_ops_gemv._GEMV_CONFIGS, *_GEMV_CUDA_EXTRA):
         check_gemv("cuda", dtype, M, N, K, gate_up, config=config)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("M", [2, 8, 16, 32])
+@pytest.mark.parametrize(
+    "N,K,gate_up",
+    [(12352, 2560, False), (2560, 4096, False), (9216, 2560, True), (2560, 9216, False), (1024, 3584, False),
+     (1000, 200, True)],
+    ids=["4B-deltanet-in", "4B-out", "4B-gate-up", "4B-down", "0.8B-down", "partial"],
+)
+def test_skinny_gemm_cuda(dtype, M, N, K, gate_up):
+    for config in fused_ops_gemv._SKINNY_CONFIGS:
+        check_gemv("cuda", dtype, M, N, K, gate_up, config=config, op="skinny_gemm")
 
 
 @pytest.mark.cuda

@@ -38,7 +38,19 @@ def test_choices_round_trip_and_merge_with_another_writer(tmp_path, fresh):
     assert not list(path.parent.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"2x4096x2560-gate_up-bfloat16": [3, 3, 3]}'])
+def test_a_skinny_choice_round_trips_as_itself(tmp_path, fresh):
+    """A `skinny_gemm` config is written tagged and read back as a `SkinnyConfig`, not as a `gemv` config."""
+    path = tmp_path / "small_linear_x.json"
+    config = fused_ops_gemv._SKINNY_CONFIGS[1]
+    fused_ops_gemv.record_choice(path, KEY, config)
+    assert json.loads(path.read_text())["2x4096x2560-gate_up-bfloat16"] == ["skinny", *config]
+    fused_ops_gemv._records.clear()
+    back = fused_ops_gemv.recorded_choice(path, KEY)
+    assert back == config and isinstance(back, fused_ops_gemv.SkinnyConfig)
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"2x4096x2560-gate_up-bfloat16": [3, 3, 3]}',
+                                     '{"2x4096x2560-gate_up-bfloat16": ["skinny", 3, 3, 3, 3]}'])
 def test_corrupt_or_stale_records_are_ignored(tmp_path, fresh, content):
     """An unreadable file, or a config that is no longer a candidate, gives no choice (the shape is timed again and
     the file rewritten)."""
@@ -55,13 +67,30 @@ def test_no_cache_dir_means_no_record(tmp_path, fresh):
     assert fused_ops_gemv._records == {}
 
 
-def test_timing_is_announced_once_per_row_count(caplog, fresh, tmp_path):
+def test_timing_is_announced_once_per_row_tier(caplog, fresh, tmp_path):
+    """One line per set of row counts that share compiled candidates (1; 2-16; 17-32): the steps that compile."""
     with caplog.at_level(logging.WARNING, logger=fused_ops_gemv.__name__):
-        for rows in (2, 2, 4):
+        for rows in (1, 1, 2, 4, 16, 17, 32):
             fused_ops_gemv._announce_timing(rows, torch.device("cuda", 0), tmp_path / "q" / "f.json")
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 2 and "with 2 row(s)" in lines[0] and "with 4 row(s)" in lines[1]
+    assert len(lines) == 3, lines
+    assert "with 1 row(s)" in lines[0] and "tens of seconds" in lines[0]
+    assert "with 2-16 row(s)" in lines[1] and "a few seconds" in lines[1] and "with 17-32 row(s)" in lines[2]
     assert str(tmp_path / "q") in lines[0]
+
+
+def test_candidates_by_rows_and_dtype():
+    """The `gemv` configs at one row; two `skinny_gemm` configs at 2-32 rows of a 16-bit dtype (one pair for the
+    gate|up kind, one for the rest); none (cuBLAS untimed) in float32 or past 32 rows."""
+    def cands(rows, dtype=torch.bfloat16, gate_up=False):
+        return fused_ops_gemv._candidates(torch.empty(rows, 8, dtype=dtype), gate_up)
+
+    assert cands(1) == fused_ops_gemv._GEMV_CONFIGS
+    plain, gate_up = cands(2), cands(32, torch.float16, True)
+    assert len(plain) == len(gate_up) == 2 and not set(plain) & set(gate_up)
+    assert all(isinstance(c, fused_ops_gemv.SkinnyConfig) for c in plain + gate_up)
+    assert set(plain + gate_up) == set(fused_ops_gemv._SKINNY_CONFIGS)
+    assert cands(8, torch.float32) == () and cands(33) == ()
 
 
 @pytest.mark.cuda
@@ -93,20 +122,46 @@ def test_small_linear_reads_the_record_instead_of_timing(tmp_path, fresh, monkey
 
 
 @pytest.mark.cuda
-def test_more_rows_than_timed_take_cublas_without_timing(monkeypatch):
-    """Past `_GEMV_TIMED_MAX_M` rows the choice is cuBLAS at once: nothing compiled or timed at a new batch size."""
+@pytest.mark.parametrize("rows, dtype", [(33, torch.bfloat16), (4, torch.float32)], ids=["33-rows", "fp32"])
+def test_shapes_without_candidates_take_cublas_without_timing(monkeypatch, rows, dtype):
+    """Past `_SKINNY_MAX_M` rows, or in float32 past one row, the choice is cuBLAS at once: nothing compiled or
+    timed at a new batch size."""
     monkeypatch.setattr(fused_ops_gemv, "_small_linear_choice", {})
 
     def no_timing(*args):
-        raise AssertionError("timed a row count past _GEMV_TIMED_MAX_M")
+        raise AssertionError("timed a shape without candidates")
 
     monkeypatch.setattr(fused_ops_gemv, "_time_candidates", no_timing)
-    rows = fused_ops_gemv._GEMV_TIMED_MAX_M + 1
-    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, 512, device="cuda", dtype=dtype)
+    w = torch.randn(1024, 512, device="cuda", dtype=dtype)
     y = fused_ops.small_linear(x, w)
     assert list(fused_ops_gemv._small_linear_choice.values()) == ["cublas"]
     assert torch.equal(y, torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gate_up", [False, True], ids=["linear", "gate_up"])
+def test_several_rows_time_the_skinny_pair_and_run_the_pick(monkeypatch, gate_up):
+    """At 2-32 rows (bf16) cuBLAS and the two `skinny_gemm` candidates of the kind are timed; the pick runs, and
+    its result is the picked kernel's, close to `F.linear`'s (+ SwiGLU)."""
+    monkeypatch.setattr(fused_ops_gemv, "_small_linear_choice", {})
+    monkeypatch.setattr(fused_ops_gemv, "RECORD_CHOICES", False)
+    seen = {}
+    real = fused_ops_gemv._time_candidates
+
+    def spy(x, w, gate_up_, conv, candidates):
+        seen["timings"] = real(x, w, gate_up_, conv, candidates)
+        return seen["timings"]
+
+    monkeypatch.setattr(fused_ops_gemv, "_time_candidates", spy)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(5, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, generator=gen) / 32
+    y = fused_ops.small_linear(x, w, gate_up=gate_up)
+    assert set(seen["timings"]) == {"cublas", *fused_ops_gemv._skinny_candidates(gate_up)}
+    (choice,) = fused_ops_gemv._small_linear_choice.values()
+    assert torch.equal(y, fused_ops_gemv._run_small_linear(x, w, gate_up, choice))
+    torch.testing.assert_close(y, fused_ops.small_linear_ref(x, w, gate_up), rtol=2e-2, atol=2e-2)
 
 
 def test_record_can_be_switched_off(monkeypatch):
@@ -116,22 +171,24 @@ def test_record_can_be_switched_off(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_timing_compiles_its_candidates_at_once_before_timing(tmp_path, monkeypatch):
-    """On the GPU: timing a shape compiles every GEMV candidate in one batch first (`compile_in_parallel`, on a pool
-    of threads), so the timing loop after it compiles nothing. Counted with Triton's JIT hooks, on an empty
-    on-disk cache and with the kernel's in-process binaries dropped."""
+@pytest.mark.parametrize("kind", ["gemv", "skinny"])
+def test_timing_compiles_its_candidates_at_once_before_timing(tmp_path, monkeypatch, kind):
+    """On the GPU: timing a shape compiles every candidate (GEMV or skinny GEMM) in one batch first
+    (`compile_in_parallel`, on a pool of threads), so the timing loop after it compiles nothing. Counted with
+    Triton's JIT hooks, on an empty on-disk cache and with the kernel's in-process binaries dropped."""
     import triton
 
     if import_module("fused_ops_runtime")._AsyncCompileMode is None:
         pytest.skip("this Triton has no asynchronous compile mode: the candidates compile one by one")
+    kernel = fused_ops_gemv._gemv_kernel if kind == "gemv" else fused_ops_gemv._skinny_gemm_kernel
+    candidates = fused_ops_gemv._GEMV_CONFIGS if kind == "gemv" else fused_ops_gemv._skinny_candidates(True)
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
-    monkeypatch.setattr(fused_ops_gemv._gemv_kernel, "device_caches", type(fused_ops_gemv._gemv_kernel.device_caches)(
-        fused_ops_gemv._gemv_kernel.create_binder))
+    monkeypatch.setattr(kernel, "device_caches", type(kernel.device_caches)(kernel.create_binder))
     compiled = {"before": 0, "timing": 0}
     phase = ["before"]
 
     def count(*, fn, **_):
-        if fn.name.endswith("_gemv_kernel"):
+        if fn.name.endswith(kernel.fn.__name__):
             compiled[phase[0]] += 1
         return False
 
@@ -146,6 +203,35 @@ def test_timing_compiles_its_candidates_at_once_before_timing(tmp_path, monkeypa
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(3, 640, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(2 * 384, 640, device="cuda", dtype=torch.bfloat16, generator=gen)
-    timings = fused_ops_gemv._time_candidates(x, w, True, None)
-    assert set(timings) == {"cublas", *fused_ops_gemv._GEMV_CONFIGS}
+    timings = fused_ops_gemv._time_candidates(x, w, True, None, candidates)
+    assert set(timings) == {"cublas", *candidates}
     assert compiled["before"] >= 2 and compiled["timing"] == 0, compiled
+
+
+@pytest.mark.cuda
+def test_one_row_timing_compiles_the_skinny_pair_for_more_rows(tmp_path, monkeypatch):
+    """On the GPU, empty Triton cache: the first one-row timing of a shape also compiles its two `skinny_gemm`
+    candidates (`_ahead_of_more_rows`), so the first 2-16 row call of that shape times them without compiling."""
+    import triton
+
+    if import_module("fused_ops_runtime")._AsyncCompileMode is None:
+        pytest.skip("this Triton has no asynchronous compile mode: warm-up launches compile nothing ahead")
+    kernel = fused_ops_gemv._skinny_gemm_kernel
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    monkeypatch.setattr(kernel, "device_caches", type(kernel.device_caches)(kernel.create_binder))
+    monkeypatch.setattr(fused_ops_gemv, "_small_linear_choice", {})
+    monkeypatch.setattr(fused_ops_gemv, "RECORD_CHOICES", False)
+    compiled = []
+
+    def count(*, fn, **_):
+        compiled.append(fn.name)
+        return False
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", count)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(1536, 640, device="cuda", dtype=torch.bfloat16, generator=gen)
+    fused_ops.small_linear(torch.randn(1, 640, device="cuda", dtype=torch.bfloat16, generator=gen), w)
+    assert sum(name.endswith("_skinny_gemm_kernel") for name in compiled) == 2, compiled
+    compiled.clear()
+    fused_ops.small_linear(torch.randn(5, 640, device="cuda", dtype=torch.bfloat16, generator=gen), w)
+    assert not [name for name in compiled if name.endswith("_skinny_gemm_kernel")], compiled
