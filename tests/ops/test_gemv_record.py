@@ -235,3 +235,16 @@ def test_one_row_timing_compiles_the_skinny_pair_for_more_rows(tmp_path, monkeyp
     compiled.clear()
     fused_ops.small_linear(torch.randn(5, 640, device="cuda", dtype=torch.bfloat16, generator=gen), w)
     assert not [name for name in compiled if name.endswith("_skinny_gemm_kernel")], compiled
+
+
+def test_the_skinny_pair_is_compiled_ahead_only_from_a_one_row_16_bit_timing():
+    """`_ahead_of_more_rows` gives the two skinny candidates' warm-up launches for a one-row bf16 / fp16 timing of
+    the shape (2 rows, x's row stride), and nothing for float32 or a timing at more rows."""
+    w = torch.empty(64, 32, dtype=torch.bfloat16)
+    ahead = fused_ops_gemv._ahead_of_more_rows(torch.empty(1, 32, dtype=torch.bfloat16), w, False)
+    assert [p.args[4] for p in ahead] == list(fused_ops_gemv._skinny_candidates(False))
+    assert all(p.args[0].shape == (2, 32) and p.args[0].stride(0) == 32 and p.args[5] is True for p in ahead)
+    wide = torch.empty(1, 48, dtype=torch.float16)[:, :32]
+    assert fused_ops_gemv._ahead_of_more_rows(wide, w.half(), True)[0].args[0].stride(0) == 48
+    assert fused_ops_gemv._ahead_of_more_rows(torch.empty(1, 32), w.float(), False) == []
+    assert fused_ops_gemv._ahead_of_more_rows(torch.empty(2, 32, dtype=torch.bfloat16), w, False) == []
