@@ -378,6 +378,7 @@ def _skinny_candidates(gate_up: bool) -> tuple[SkinnyConfig, ...]:
     compiles four kernels, not eight."""
     return _SKINNY_CONFIGS[2:] if gate_up else _SKINNY_CONFIGS[:2]
 
+
 if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["M"])
