@@ -368,7 +368,7 @@ _SKINNY_MAX_M = 32
 # the 0.8B / 4B / 9B decode linears at 2, 8, 16 and 32 rows (`scripts/benchmark_gemv.py --kernels skinny`, H200,
 # 2026-12-02): (16, 256, 2, 4) was the fastest on the narrow matrices (out / down projections, 0.8B's inputs),
 # (64, 128, 4, 4) on the tall ones (4B / 9B inputs, LM heads within 1% of the best), (128, 128, 8, 3) on the 4B / 9B
-# gate|up and (32, 256, 4, 4) on 0.8B's. At 8 rows the best of them read 4B's linears in 0.87-1.04x cuBLAS's time
+# gate|up and (32, 256, 4, 4) on 0.8B's. At 8 rows the best of them read 4B's linears in 0.90-1.04x cuBLAS's time
 # (the LM head 291 us against 313), 0.8B's in 0.72-1.02x.
 _SKINNY_CONFIGS = tuple(SkinnyConfig(*c) for c in ((16, 256, 2, 4), (64, 128, 4, 4), (32, 256, 4, 4), (128, 128, 8, 3)))
 
