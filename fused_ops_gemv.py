@@ -8,7 +8,7 @@
 - `skinny_gemm`: the same product on tensor cores for 2-32 rows (16-bit), optionally with the SwiGLU epilogue.
 - `small_linear`: picks cuBLAS, a `gemv` config (one row) or a `skinny_gemm` config (2-32 rows) per shape by timing
   them once in a CUDA graph, and records the pick per card beside Triton's cache for later processes
-  (`RECORD_CHOICES`); `small_linear_choices` reports the picks, `gemv_late_signal_min_elems` the PDL late-signal
+  (`RECORD_CHOICES`), or takes the pick shipped for the card (`fused_tuning`); `small_linear_choices` reports the picks, `gemv_late_signal_min_elems` the PDL late-signal
   threshold (`_GEMV_LATE_TRIGGER_ELEMS`, read here: patch it on this module).
 
 Each op: kernel -> wrapper (validates; ValueError names the values) -> torch `name_ref` below it (dtypes: runtime).
@@ -45,6 +45,7 @@ from .fused_ops_runtime import (
     triton,
     triton_cache_dir,
 )
+from .fused_tuning import shipped_choices
 
 if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
     from .fused_ops_deltanet import _conv_step_tile
@@ -585,6 +586,7 @@ RECORD_CHOICES = True  # False: neither read nor write the record (a benchmark t
 _record_lock = threading.Lock()
 _records: dict = {}  # path -> {key string: choice as JSON}, read once per process
 _told_rows: set = set()  # (row tier, device) announced as being timed (`_row_tier`)
+_shipped: dict = {}  # device -> the shipped choices for its card (`shipped_choice`), read once per process
 
 
 def _record_path(device: torch.device) -> Path | None:
@@ -621,6 +623,27 @@ def recorded_choice(path: Path | None, key: tuple):
         if path not in _records:
             _records[path] = _load_record(path)
         saved = _records[path].get(_record_key(key))
+    return _parse_choice(saved)
+
+
+def candidates_fingerprint() -> str:
+    """A digest of the candidate lists: a shipped table timed over other candidates is not used."""
+    return hashlib.sha256(repr((_GEMV_CONFIGS, _GEMV_ACC_REGS, _SKINNY_CONFIGS)).encode()).hexdigest()[:16]
+
+
+def shipped_choice(key: tuple):
+    """The choice shipped for `key` on this card (`fused_tuning.shipped_choices`: measured ahead of time by
+    `scripts/record_tuning.py`), or None. Read when the card's own record has none; off with `RECORD_CHOICES`."""
+    device = key[-1]
+    if not RECORD_CHOICES:
+        return None
+    if device not in _shipped:
+        _shipped[device] = shipped_choices(device, candidates_fingerprint(), pdl_enabled(device))
+    return _parse_choice(_shipped[device].get(_record_key(key)))
+
+
+def _parse_choice(saved):
+    """A record's JSON value as a choice, or None (absent, or not a current candidate)."""
     if saved == "cublas":
         return saved
     if isinstance(saved, list) and saved[:1] == ["skinny"] and tuple(saved[1:]) in _SKINNY_CONFIGS:
@@ -630,14 +653,18 @@ def recorded_choice(path: Path | None, key: tuple):
     return None
 
 
+def choice_json(choice):
+    """A choice as the record stores it: "cublas", ["skinny", *config] or the `gemv` config as a list."""
+    return choice if choice == "cublas" else ["skinny", *choice] if isinstance(choice, SkinnyConfig) else list(choice)
+
+
 def record_choice(path: Path | None, key: tuple, choice) -> None:
     """Add `key -> choice` to the record at `path` (merged with what another process wrote since)."""
     if path is None:
         return
     with _record_lock:
         record = {**_records.get(path, {}), **_load_record(path)}
-        record[_record_key(key)] = (choice if choice == "cublas" else
-                                    ["skinny", *choice] if isinstance(choice, SkinnyConfig) else list(choice))
+        record[_record_key(key)] = choice_json(choice)
         _records[path] = record
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -693,6 +720,32 @@ def _ahead_of_more_rows(x, w, gate_up) -> list:
     return [functools.partial(_skinny_launch, x2, w, y2, gate_up, cfg, True) for cfg in _skinny_candidates(gate_up)]
 
 
+def _recorded_warmups(x, w, gate_up, conv, choice) -> list:
+    """For a choice read from a record at one row: the warm-up launches of that kernel and of the choice recorded
+    for 2 rows of the same shape (`_ahead_of_more_rows`' reason, without timing), compiled together on the pool;
+    [] at more rows. On a warm Triton cache these are loads from disk."""
+    if x.shape[0] > _GEMV_TIMED_MAX_M:
+        return []
+    n = w.shape[0] // 2 if gate_up else w.shape[0]
+    warmups = []
+    if isinstance(choice, GemvConfig):
+        y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        warmups.append(functools.partial(_gemv_launch, x, w, y, gate_up, choice, conv, True))
+    two = (2, *_key_tail(x, w, gate_up))
+    more = recorded_choice(_record_path(x.device), two) or shipped_choice(two)
+    if isinstance(more, SkinnyConfig):
+        K = x.shape[1]
+        x2 = torch.empty_strided((2, K), (max(x.stride(0), K), 1), dtype=x.dtype, device=x.device)
+        y2 = torch.empty(2, n, dtype=x.dtype, device=x.device)
+        warmups.append(functools.partial(_skinny_launch, x2, w, y2, gate_up, more, True))
+    return warmups
+
+
+def _key_tail(x, w, gate_up) -> tuple:
+    """`small_linear`'s choice key without its row count."""
+    return (w.shape[0], w.shape[1], gate_up, x.dtype, x.device)
+
+
 def _time_candidates(x, w, gate_up, conv, candidates) -> dict:
     """ms per call of "cublas" and each of `candidates` for this shape, as the captured step runs them (see
     `_time_in_graph_ms`); a candidate that fails is left out, said once."""
@@ -734,14 +787,14 @@ def small_linear(
     projection, or with `conv` (`gemv`'s argument) the DeltaNet conv step on its first C columns, by cuBLAS
     (`F.linear`, then `swiglu` / `causal_conv1d_step`) or by `gemv` (one launch), whichever runs faster on this card
     for this shape. The choice is made once per shape, at its first call outside CUDA-graph capture (the decode
-    step's eager warm-up): read from the card's record on disk (`recorded_choice`) if an earlier process made it,
-    else timed as the captured step runs it (each candidate in a CUDA graph over the weight and copies of it, weights
+    step's eager warm-up): read from the card's record on disk (`recorded_choice`) if an earlier process made it, or
+    from the choices shipped for this card (`shipped_choice`), else timed as the captured step runs it (each candidate in a CUDA graph over the weight and copies of it, weights
     cold in L2, `_time_in_graph_ms`; with the conv on a copy of its state, so cuBLAS's extra conv launch is timed too)
     and recorded; kept for the process. The candidates (`_candidates`): the `gemv` configs at one row, two
     `skinny_gemm` configs at 2-32 rows of a 16-bit dtype (the conv step then a launch of its own, as after cuBLAS).
     A shape first met inside a capture, with no candidate, or a weight the kernels do not take, uses cuBLAS. One
     decision point."""
-    key = (x.shape[0], w.shape[0], w.shape[1], gate_up, x.dtype, x.device)
+    key = (x.shape[0], *_key_tail(x, w, gate_up))
     choice = _small_linear_choice.get(key)
     if choice is not None:
         return _run_small_linear(x, w, gate_up, choice, conv)
@@ -751,9 +804,10 @@ def small_linear(
         _small_linear_choice[key] = "cublas"
         return _run_small_linear(x, w, gate_up, "cublas", conv)
     path = _record_path(x.device)
-    choice = recorded_choice(path, key)
+    choice = recorded_choice(path, key) or shipped_choice(key)
     if choice is not None:
         try:  # the eager call this step needs anyway; a recorded kernel that no longer runs here is timed again
+            compile_in_parallel(_recorded_warmups(x, w, gate_up, conv, choice))
             y = _run_small_linear(x, w, gate_up, choice, conv)
             _small_linear_choice[key] = choice
             return y

@@ -30,6 +30,7 @@ from .fused_ops import (
     triton_cache_dir,
     triton_cache_holds,
 )
+from .fused_tuning import card_entry, seed_fla_autotuners
 
 logger = logging.get_logger(__name__)
 
@@ -64,18 +65,22 @@ _PROBE_KERNEL = "_rms_norm_kernel"
 _cold_cache_checked = False
 
 
-def cold_cache_notice() -> None:
+def cold_cache_notice(device: torch.device) -> None:
     """Once per process, at the first fused plan on a GPU: when Triton's on-disk cache holds none of the fused
-    kernels, say that the first call compiles them (a fresh machine's first ``generate`` at 4B takes ~52 s on the
-    H200, docs/BENCHMARKS.md "The first call"), so that minute is not silent."""
+    kernels, say that the first call compiles them (a fresh machine's first ``generate`` at 4B on the H200: 14.5 s
+    with the choices shipped for the card, 48 s without, docs/BENCHMARKS.md "A fresh machine"), so the wait is not
+    silent."""
     global _cold_cache_checked
     if _cold_cache_checked:
         return
     _cold_cache_checked = True
     if triton_cache_holds(_PROBE_KERNEL) is False:
+        how_long = ("about 15 s at 4B on an H200 with the kernel choices shipped for this card" if card_entry(device)
+                    else "about a minute at 4B on an H200 on a card without shipped kernel choices "
+                    "(scripts/record_tuning.py records them)")
         announce("cold-triton-cache", f"Qwen3.5 fused kernels: Triton's cache ({triton_cache_dir()}) holds none of "
-                 "them yet: the first forward or generate compiles them and runs fla's autotuning, about a minute at "
-                 "4B on an H200, once (stock pays the autotuning too); later calls and processes reuse the cache.")
+                 f"them yet: the first forward or generate compiles them and runs fla's autotuning, {how_long}, "
+                 "once; later calls and processes reuse the cache.")
 
 
 def _devices(text_model) -> tuple[torch.device, bool]:
@@ -136,7 +141,8 @@ class FusedPlan:
                               or GENERATE_HOOKS_REASON)
         self.pdl = fused and pdl_enabled(self.device)
         if fused and self.device.type == "cuda":
-            cold_cache_notice()
+            seed_fla_autotuners(self.device)
+            cold_cache_notice(self.device)
         return self
 
     def _model_reason(self, text_model) -> str | None:

@@ -560,8 +560,9 @@ def cold_start(target: dict, variants, prompt_len: int, new_tokens: int) -> dict
     """The first `generate` on a fresh machine: each variant in fresh subprocesses (`--cold-child`), first with an
     empty Triton cache directory (TRITON_CACHE_DIR; it also holds the fused GEMV choice record), then again on the
     cache the first process filled ("warm": a later process on the same machine). Each child builds its model alone
-    (`build_one`, timed apart) and times its first and second `generate` of `new_tokens` tokens at batch 1. fla's
-    autotuning keeps no on-disk record, so a warm process autotunes again."""
+    (`build_one`, timed apart) and times its first and second `generate` of `new_tokens` tokens at batch 1. Variant
+    "fused-untuned" is the fused model with the choices shipped per card off (`fused_tuning.USE_SHIPPED`): every
+    GEMV candidate and fla config compiled and timed, as on a card the table does not name."""
     import os
     import subprocess
     import tempfile
@@ -593,8 +594,10 @@ def cold_start(target: dict, variants, prompt_len: int, new_tokens: int) -> dict
 def cold_child(args) -> None:
     """One cold-start measurement (see `cold_start`), in this fresh process; prints `RESULT {json}`."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.cold_child == "fused-untuned":
+        import_module("fused_tuning").USE_SHIPPED = False
     t0 = time.perf_counter()
-    model = build_one(None if args.model else args.shapes, args.model, device, dtype, args.cold_child == "fused")
+    model = build_one(None if args.model else args.shapes, args.model, device, dtype, args.cold_child != "stock")
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -929,9 +932,11 @@ def main(argv=None):
                    help="comma list of prompt lengths (e.g. 32768,131072): prefill time, its peak memory and decode "
                         "ms/token at that context, stock and fused, against their floors")
     p.add_argument("--cold-start", default="",
-                   help="comma list of variants (stock,fused): first generate in fresh processes with an empty, then "
+                   help="comma list of variants (stock,fused,fused-untuned: the shipped per-card choices off): first "
+                        "generate in fresh processes with an empty, then "
                         "a warm Triton cache")
-    p.add_argument("--cold-child", default=None, choices=["stock", "fused"], help=argparse.SUPPRESS)
+    p.add_argument("--cold-child", default=None, choices=["stock", "fused", "fused-untuned"],
+                   help=argparse.SUPPRESS)
     p.add_argument("--gpus", type=int, default=1, help="dispatch both models over this many GPUs (device_map)")
     p.add_argument("--out", default="out/bench")
     args = p.parse_args(argv)

@@ -322,8 +322,8 @@ def test_fallback_is_announced_once(monkeypatch):
 
 def test_a_cold_triton_cache_is_announced_once(tmp_path, monkeypatch):
     """The first fused plan on a GPU says when Triton's cache holds none of the fused kernels (the next call compiles
-    for about a minute), once a process; with the kernels cached it says nothing. The cache layout read is Triton's
-    own (`<hash>/<kernel>.json`)."""
+    for about 15 s where kernel choices are shipped for the card, about a minute elsewhere), once a process; with
+    the kernels cached it says nothing. The cache layout read is Triton's own (`<hash>/<kernel>.json`)."""
     triton = pytest.importorskip("triton")
     from scripts.common import import_module
 
@@ -338,10 +338,21 @@ def test_a_cold_triton_cache_is_announced_once(tmp_path, monkeypatch):
             (tmp_path / "ABC123").mkdir()
             (tmp_path / "ABC123" / "_rms_norm_kernel.json").write_text("{}")
         assert runtime.triton_cache_holds("_rms_norm_kernel") is cached
-        plan_mod.cold_cache_notice()
-        plan_mod.cold_cache_notice()
+        plan_mod.cold_cache_notice(torch.device("cpu"))  # no shipped choices for a CPU "card"
+        plan_mod.cold_cache_notice(torch.device("cpu"))
         assert len(calls) == (0 if cached else 1), calls
+        assert cached or "about a minute" in calls[0] and "record_tuning.py" in calls[0]
         calls.clear()
+    # a card the shipped table names: the shorter wait
+    import shutil
+
+    shutil.rmtree(tmp_path / "ABC123")
+    monkeypatch.setattr(plan_mod, "_announced", set())
+    monkeypatch.setattr(plan_mod, "_cold_cache_checked", False)
+    monkeypatch.setattr(plan_mod, "card_entry", lambda device: {"name": "NVIDIA H200"})
+    plan_mod.cold_cache_notice(torch.device("cuda", 0))
+    assert len(calls) == 1 and "about 15 s" in calls[0], calls
+    calls.clear()
     # no GPU here: building a fused model (a CPU plan) never looks
     monkeypatch.setattr(plan_mod, "_cold_cache_checked", False)
     monkeypatch.setattr(plan_mod, "triton_cache_holds", lambda name: pytest.fail("looked at the cache on CPU"))
