@@ -57,12 +57,12 @@ def shipped_choices(device: torch.device, candidates: str, pdl: bool) -> dict:
 
 def _autotuner(name: str):
     """The Triton autotuner `module:attribute` names (through `triton.heuristics` wrappers), or None."""
-    from triton.runtime.autotuner import Autotuner
-
     module, _, attr = name.partition(":")
-    try:
+    try:  # (in a try: transformers' import check of remote code skips it, so a machine without triton loads)
+        from triton.runtime.autotuner import Autotuner
+
         obj = getattr(importlib.import_module(module), attr)
-    except Exception:  # noqa: BLE001 - a renamed fla kernel: it autotunes as usual
+    except Exception:  # noqa: BLE001 - no triton, or a renamed fla kernel: it autotunes as usual
         return None
     for _ in range(4):
         if isinstance(obj, Autotuner):
