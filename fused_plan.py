@@ -10,6 +10,7 @@ model is built, loaded, moved, cast, put in train / eval mode or switched (``set
 - ``graphs``: whether forwards, prompts and decode steps are captured in CUDA graphs, and why not;
 - ``decode_reason``: None when ``generate`` can decode on the fused path (greedy and sampling), else why not;
 - ``pdl``: whether our kernels launch with programmatic dependent launch;
+- ``shipped_choices``: the card whose shipped kernel choices apply (``fused_tuning``), or None;
 - ``ops``: the kernel functions the fused modules call (the Triton kernels; in the tests' CPU emulation, their torch
   references).
 
@@ -110,6 +111,7 @@ class FusedPlan:
         self.buckets = False
         self.decode_reason: str | None = self.reason
         self.pdl = False
+        self.shipped_choices: str | None = None
         self.ops = KERNELS
 
     def resolve(self, text_model) -> "FusedPlan":
@@ -140,6 +142,8 @@ class FusedPlan:
         self.decode_reason = (self.reason or self.kind_reasons["linear_attention"] or self.kind_reasons.get("moe")
                               or GENERATE_HOOKS_REASON)
         self.pdl = fused and pdl_enabled(self.device)
+        entry = card_entry(self.device) if fused else None
+        self.shipped_choices = entry["name"] if entry else None
         if fused and self.device.type == "cuda":
             seed_fla_autotuners(self.device)
             cold_cache_notice(self.device)
@@ -205,6 +209,7 @@ class FusedPlan:
             "buckets": self.buckets,
             "decode_reason": self.decode_reason,
             "pdl": self.pdl,
+            "shipped_choices": self.shipped_choices,
             "pdl_gemv_late_signal_min_weight_elems": gemv_late_signal_min_elems() if self.pdl else None,
             "kernels": "torch references (CPU emulation)" if self.emulated else "triton / fla",
         }

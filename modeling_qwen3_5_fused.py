@@ -298,14 +298,15 @@ class _FusedPreTrainedMixin:
                 "one step per token on preallocated conv / recurrent / K-V buffers: the conv step in the DeltaNet "
                 "input linear's epilogue + gated_delta_rule_step (states in place), attn_prep writing K/V into the "
                 "cache + decode_attention (split keys, merged with the sigmoid gate), fused norms; each linear "
-                "(gate|up with SwiGLU in its epilogue) by cuBLAS or our GEMV, whichever was timed faster for its "
-                "shape, the LM head too"
+                "(gate|up with SwiGLU in its epilogue) by cuBLAS, our GEMV (1 row) or our skinny GEMM (2-32 rows), "
+                "whichever was timed faster for its shape on this card or is shipped for the card, the LM head too"
                 + ("; the sparse MoE block: one small_linear (shared gate|up, router, shared gate) + moe_route + "
                    "SwiGLU + shared down + moe_experts" if "moe" in kinds else "")
                 if plan.decode_reason is None else "stock transformers decode"
             ),
             "cuda_graphs": plan.graphs,
             "pdl": plan.pdl,
+            "shipped_choices": plan.shipped_choices,
             **{k: v for k, v in plan.render().items() if k == "pdl_gemv_late_signal_min_weight_elems"},
             "falls_back": "beam search, assisted / contrastive decoding, a cache passed in, cache_implementation, "
             "output_attentions / output_hidden_states (a model split over devices decodes fused, without graphs)",

@@ -251,6 +251,7 @@ def test_describe_reports_pdl_and_the_gemv_late_signal(monkeypatch):
     _, fused = stock_and_fused_lm(seed=0)
     decode = fused.describe()["decode"]
     assert decode["pdl"] is False and decode["pdl_gemv_late_signal_min_weight_elems"] is None
+    assert decode["shipped_choices"] is None  # no shipped kernel choices on CPU
     monkeypatch.setattr(plan_mod, "pdl_enabled", lambda device: True)
     fused._refresh_fused()  # the plan is resolved once, not per call
     assert fused.describe()["decode"]["pdl_gemv_late_signal_min_weight_elems"] == 9_000_000

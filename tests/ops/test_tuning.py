@@ -210,3 +210,37 @@ def test_a_shipped_choice_is_run_without_timing(card, tmp_path, monkeypatch):
     x2 = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
     fused_ops.small_linear(x2, w)
     assert fused_ops_gemv._small_linear_choice[key2] == two
+
+
+@pytest.mark.cuda
+def test_a_real_width_model_on_the_named_card_runs_fla_on_the_shipped_configs(monkeypatch):
+    """On a card the table names: a fused model at 0.8B's widths (4 layers) says so in `describe()`, and its prompt
+    and decode call fla with exactly the recorded tuning keys (a key the autotuner had to add itself would mean the
+    recorded keys do not match the real calls, so fla would autotune), and its decode linears take the shipped picks."""
+    from scripts.common import real_text_kwargs
+
+    card = torch.cuda.get_device_properties(0).name
+    if card not in TUNED:
+        pytest.skip("the table does not name this card")
+    configuration, modeling = import_module("configuration_qwen3_5_fused"), import_module("modeling_qwen3_5_fused")
+    tuners = {}
+    for kernel, rows in TUNED[card]["fla"]["kernels"].items():
+        tuner = fused_tuning._autotuner(kernel)
+        recorded = {tuple(key) for key, _ in rows}
+        monkeypatch.setattr(tuner, "cache", {k: v for k, v in tuner.cache.items() if k not in recorded})
+        tuners[kernel] = (tuner, recorded | set(tuner.cache))
+    monkeypatch.setattr(fused_tuning, "_seeded", set())
+    monkeypatch.setattr(fused_ops_gemv, "_small_linear_choice", {})
+    monkeypatch.setattr(fused_ops_gemv, "_time_candidates",
+                        lambda *a: (_ for _ in ()).throw(AssertionError("timed a shape the table names")))
+    config = configuration.Qwen3_5FusedTextConfig(**real_text_kwargs("0.8B", num_hidden_layers=4), fused_kernels=True)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = modeling.Qwen3_5FusedForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
+    assert model.describe()["decode"]["shipped_choices"] == card
+    ids = torch.randint(3, config.vocab_size, (1, 40), device="cuda")
+    with torch.inference_mode():
+        model.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    for kernel, (tuner, allowed) in tuners.items():
+        assert set(tuner.cache) <= allowed, (kernel, set(tuner.cache) - allowed)
+    assert fused_ops_gemv.small_linear_choices()  # the decode linears ran, on shipped picks (no timing)
