@@ -8,8 +8,9 @@
 - `skinny_gemm`: the same product on tensor cores for 2-32 rows (16-bit), optionally with the SwiGLU epilogue.
 - `small_linear`: picks cuBLAS, a `gemv` config (one row) or a `skinny_gemm` config (2-32 rows) per shape by timing
   them once in a CUDA graph, and records the pick per card beside Triton's cache for later processes
-  (`RECORD_CHOICES`), or takes the pick shipped for the card (`fused_tuning`); `small_linear_choices` reports the picks, `gemv_late_signal_min_elems` the PDL late-signal
-  threshold (`_GEMV_LATE_TRIGGER_ELEMS`, read here: patch it on this module).
+  (`RECORD_CHOICES`), or takes the pick shipped for the card (`fused_tuning`); `small_linear_choices` reports the
+  picks, `gemv_late_signal_min_elems` the PDL late-signal threshold (`_GEMV_LATE_TRIGGER_ELEMS`, read here: patch it
+  on this module).
 
 Each op: kernel -> wrapper (validates; ValueError names the values) -> torch `name_ref` below it (dtypes: runtime).
 """
@@ -788,9 +789,9 @@ def small_linear(
     (`F.linear`, then `swiglu` / `causal_conv1d_step`) or by `gemv` (one launch), whichever runs faster on this card
     for this shape. The choice is made once per shape, at its first call outside CUDA-graph capture (the decode
     step's eager warm-up): read from the card's record on disk (`recorded_choice`) if an earlier process made it, or
-    from the choices shipped for this card (`shipped_choice`), else timed as the captured step runs it (each candidate in a CUDA graph over the weight and copies of it, weights
-    cold in L2, `_time_in_graph_ms`; with the conv on a copy of its state, so cuBLAS's extra conv launch is timed too)
-    and recorded; kept for the process. The candidates (`_candidates`): the `gemv` configs at one row, two
+    from the choices shipped for this card (`shipped_choice`), else timed as the captured step runs it (each
+    candidate in a CUDA graph over the weight and copies of it, weights cold in L2, `_time_in_graph_ms`; with the conv
+    on a copy of its state, so cuBLAS's extra conv launch is timed too) and recorded; kept for the process. The candidates (`_candidates`): the `gemv` configs at one row, two
     `skinny_gemm` configs at 2-32 rows of a 16-bit dtype (the conv step then a launch of its own, as after cuBLAS).
     A shape first met inside a capture, with no candidate, or a weight the kernels do not take, uses cuBLAS. One
     decision point."""

@@ -77,7 +77,7 @@ def cold_cache_notice(device: torch.device) -> None:
     _cold_cache_checked = True
     if triton_cache_holds(_PROBE_KERNEL) is False:
         how_long = ("about 15 s at 4B on an H200 with the kernel choices shipped for this card" if card_entry(device)
-                    else "about a minute at 4B on an H200 on a card without shipped kernel choices "
+                    else "about a minute at 4B on an H200 when no kernel choices are shipped for the card "
                     "(scripts/record_tuning.py records them)")
         announce("cold-triton-cache", f"Qwen3.5 fused kernels: Triton's cache ({triton_cache_dir()}) holds none of "
                  f"them yet: the first forward or generate compiles them and runs fla's autotuning, {how_long}, "

@@ -15,7 +15,6 @@ entries are kept. Needs a CUDA GPU.
 import argparse
 import ast
 import os
-import pprint
 import sys
 import tempfile
 import time
@@ -106,13 +105,29 @@ def record(shapes, rows, device) -> dict:
     }
 
 
+def literal(value, indent: int = 0) -> str:
+    """`value` (dicts, lists, scalars) as a Python literal: on one line where it fits in 120 columns (a list of
+    scalars, such as an fla tuning key, always), else one item a line (keys sorted), so the generated table reads and
+    diffs line by line."""
+    flat = repr(value)
+    scalars = isinstance(value, list) and not any(isinstance(v, (dict, list)) for v in value)
+    if indent + len(flat) <= 116 or scalars or not isinstance(value, (dict, list)) or not value:
+        return flat
+    pad = " " * (indent + 4)
+    if isinstance(value, dict):
+        items = [f"{pad}{k!r}: {literal(value[k], indent + 4)}," for k in sorted(value)]
+        return "{\n" + "\n".join(items) + "\n" + " " * indent + "}"
+    items = [f"{pad}{literal(v, indent + 4)}," for v in value]
+    return "[\n" + "\n".join(items) + "\n" + " " * indent + "]"
+
+
 def write_table(path: Path, entry: dict) -> None:
     """`path` with this card's entry replaced (other cards kept)."""
     table = {}
     if path.exists():
         table = ast.literal_eval(path.read_text().split("TUNED = ", 1)[1])
     table[entry["name"]] = entry
-    path.write_text(HEADER + "TUNED = " + pprint.pformat(table, width=120, sort_dicts=True) + "\n")
+    path.write_text(HEADER + "TUNED = " + literal(table) + "\n")
 
 
 def main(argv=None):
