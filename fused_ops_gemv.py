@@ -791,10 +791,10 @@ def small_linear(
     step's eager warm-up): read from the card's record on disk (`recorded_choice`) if an earlier process made it, or
     from the choices shipped for this card (`shipped_choice`), else timed as the captured step runs it (each
     candidate in a CUDA graph over the weight and copies of it, weights cold in L2, `_time_in_graph_ms`; with the conv
-    on a copy of its state, so cuBLAS's extra conv launch is timed too) and recorded; kept for the process. The candidates (`_candidates`): the `gemv` configs at one row, two
-    `skinny_gemm` configs at 2-32 rows of a 16-bit dtype (the conv step then a launch of its own, as after cuBLAS).
-    A shape first met inside a capture, with no candidate, or a weight the kernels do not take, uses cuBLAS. One
-    decision point."""
+    on a copy of its state, so cuBLAS's extra conv launch is timed too) and recorded; kept for the process. The
+    candidates (`_candidates`): the `gemv` configs at one row, two `skinny_gemm` configs at 2-32 rows of a 16-bit
+    dtype (the conv step then a launch of its own, as after cuBLAS). A shape first met inside a capture, with no
+    candidate, or a weight the kernels do not take, uses cuBLAS. One decision point."""
     key = (x.shape[0], *_key_tail(x, w, gate_up))
     choice = _small_linear_choice.get(key)
     if choice is not None:

@@ -8,8 +8,8 @@ Why: on an empty Triton cache the first 4B `generate` took 48.2 s on the H200 wi
 kernels one after another (about 30 s; stock pays it too) and `small_linear` compiled 42 GEMV candidates to time
 them. Both are choices a card makes the same way every time, so the card's choices travel with the code:
 
-- `shipped_choices(device, candidates, pdl)`: the decode linears' choices (`fused_ops_gemv.small_linear`) for `device`'s card, in the
-  per-card record's format, read after the card's own record and before timing;
+- `shipped_choices(device, candidates, pdl)`: the decode linears' choices (`fused_ops_gemv.small_linear`) for
+  `device`'s card, in the per-card record's format, read after the card's own record and before timing;
 - `seed_fla_autotuners(device)`: fla's autotuners get the card's recorded config for each recorded tuning key (a
   key they already hold is kept); a call with another key (other head counts, dtype) autotunes as before.
 
