@@ -646,15 +646,34 @@ def profile_forward(models: dict, T: int, device, vocab, rows: int = 12) -> dict
     return out
 
 
-def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, device, vocab, rows: int = 12) -> dict:
+def kernel_times(prof) -> dict:
+    """{kernel name: (launches, summed GPU microseconds)} of a torch profiler run."""
+    return {e.key: (e.count, e.self_device_time_total) for e in prof.key_averages() if e.device_type.name == "CUDA"}
+
+
+def per_token_kernels(short: dict, long: dict, tokens: int) -> dict:
+    """Per generated token, per kernel name: {name: (launches, GPU us)} from `kernel_times` of a 1-token and a
+    `tokens + 1`-token call of the same generate, so the prompt's kernels cancel; only kernels the longer call
+    launches more often, largest time first."""
+    rows = {}
+    for name, (count, us) in long.items():
+        c0, us0 = short.get(name, (0, 0.0))
+        if count > c0:
+            rows[name] = ((count - c0) / tokens, (us - us0) / tokens)
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1][1]))
+
+
+def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, device, vocab, rows: int = 12,
+                   pdl: bool = True) -> dict:  # noqa: PLR0913
     """Per generated token under the torch profiler, for each decode variant (stock, fused without and with CUDA
-    graphs): kernels and summed GPU time per token (the profile of a `new_tokens` call minus that of a 1-token call,
-    so the prefill cancels), and the top kernels of the longer call. Kernels replayed from a CUDA graph are recorded
-    individually by CUPTI. With programmatic dependent launch on (`fused_ops.pdl_enabled`), a kernel's recorded time
-    includes its wait for the one before, so the sum exceeds the token's time; set `fused_ops_runtime.PDL_ENABLED =
-    False` for per-kernel times."""
+    graphs): kernels and summed GPU time per token, and the kernels that take the most of it, each as the profile of
+    a `new_tokens` call minus that of a 1-token call (`per_token_kernels`: the prefill cancels). Kernels replayed from
+    a CUDA graph are recorded individually by CUPTI. With programmatic dependent launch on (`fused_ops.pdl_enabled`),
+    a kernel's recorded time includes its wait for the one before, so the sum exceeds the token's time; `pdl=False`
+    (`--profile-no-pdl`) re-captures the fused graphs with PDL off for per-kernel times, and restores it after."""
     from torch.profiler import ProfilerActivity, profile
 
+    fused_ops_runtime = import_module("fused_ops_runtime")  # PDL_ENABLED is read there
     ids = torch.randint(3, vocab, (batch, prompt_len), device=device)
     variants = [("stock", models["stock"], None), ("fused-eager", models["fused"], False),
                 ("fused", models["fused"], True)]
@@ -663,6 +682,9 @@ def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, d
         if graphs is not None:
             saved = model.config.cuda_graphs
             model.set_cuda_graphs(graphs)
+            if not pdl:  # new graphs, captured with PDL off (a launch option, read at capture)
+                fused_ops_runtime.PDL_ENABLED = False
+                model.set_fused_kernels(False).set_fused_kernels(True)
         stats = {}
         for n in (1, new_tokens):
             with torch.inference_mode():
@@ -671,19 +693,20 @@ def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, d
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
                     torch.cuda.synchronize()
-            gpu = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-            stats[n] = (sum(e.count for e in gpu), sum(e.self_device_time_total for e in gpu), gpu)
+            stats[n] = kernel_times(prof)
         if graphs is not None:
             model.set_cuda_graphs(saved)
-        (k1, t1, _), (kn, tn, gpu) = stats[1], stats[new_tokens]
-        per = new_tokens - 1
-        top = sorted(gpu, key=lambda e: -e.self_device_time_total)[:rows]
-        out[name] = {"kernels_per_token": (kn - k1) / per, "gpu_ms_per_token": (tn - t1) / per / 1e3,
-                     "top": [(e.key[:90], e.count, round(e.self_device_time_total / 1e3, 3)) for e in top]}
-        log(f"profile decode batch={batch} {name}: {out[name]['kernels_per_token']:.0f} kernels, "
-            f"{out[name]['gpu_ms_per_token']:.3f} ms GPU per token")
+            if not pdl:
+                fused_ops_runtime.PDL_ENABLED = True
+                model.set_fused_kernels(False).set_fused_kernels(True)
+        kernels = per_token_kernels(stats[1], stats[new_tokens], new_tokens - 1)
+        out[name] = {"kernels_per_token": sum(c for c, _ in kernels.values()),
+                     "gpu_ms_per_token": sum(us for _, us in kernels.values()) / 1e3, "pdl": pdl,
+                     "top": [(k[:90], round(c, 2), round(us / 1e3, 4)) for k, (c, us) in list(kernels.items())[:rows]]}
+        log(f"profile decode batch={batch} {name}{'' if pdl else ' (PDL off)'}: "
+            f"{out[name]['kernels_per_token']:.0f} kernels, {out[name]['gpu_ms_per_token']:.3f} ms GPU per token")
         for key, count, ms in out[name]["top"]:
-            print(f"    gpu {ms:8.3f} ms  x{count:<5d} {key}")
+            print(f"    gpu {ms * 1e3:8.1f} us  x{count:<6.1f} {key}")
     return out
 
 
@@ -923,6 +946,8 @@ def main(argv=None):
                    help="also time the fused decode with programmatic dependent launch off (GPUs that have it)")
     p.add_argument("--profile", default="", help="comma list of lengths to profile (GPU): kernel counts, top kernels")
     p.add_argument("--profile-decode", default="", help="comma list of batch sizes whose decode step to profile (GPU)")
+    p.add_argument("--profile-no-pdl", action="store_true",
+                   help="--profile-decode with programmatic dependent launch off (each kernel's own time)")
     p.add_argument("--plain-batch", type=int, default=4,
                    help="batch of the padded forward that returns a cache (model(**inputs)); 0: skip")
     p.add_argument("--new-shapes", default="",
@@ -993,7 +1018,8 @@ def main(argv=None):
         if args.profile and device.type == "cuda":
             r["profile"] = {T: profile_forward(models, int(T), device, vocab) for T in args.profile.split(",")}
         if args.profile_decode and device.type == "cuda":
-            r["profile_decode"] = {b: profile_decode(models, int(b), args.prompt_len, args.new_tokens, device, vocab)
+            r["profile_decode"] = {b: profile_decode(models, int(b), args.prompt_len, args.new_tokens, device, vocab,
+                                                     rows=22, pdl=not args.profile_no_pdl)
                                    for b in args.profile_decode.split(",")}
         ceil = results["ceilings"]
         if ceil:

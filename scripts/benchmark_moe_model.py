@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.benchmark_latency import (  # noqa: E402
-    Timer, attention_flops, generate_tokens, log, measure_ceilings, stock_cpu_guard,
+    Timer, attention_flops, generate_tokens, kernel_times, log, measure_ceilings, per_token_kernels, stock_cpu_guard,
 )
 from scripts.common import (  # noqa: E402
     REAL_MOE_SHAPES, import_module, import_repo, moe_text_kwargs, tiny_moe_text_kwargs, write_report,
@@ -117,11 +117,6 @@ def prefill_ms(model, T: int, repeats: int, device) -> float:
     return statistics.median(timer(run) for _ in range(repeats))
 
 
-def _kernel_times(prof) -> dict:
-    """{kernel name: (launches, summed GPU microseconds)} of a torch profiler run."""
-    return {e.key: (e.count, e.self_device_time_total) for e in prof.key_averages() if e.device_type.name == "CUDA"}
-
-
 def profile_kernels(model, batches, new_tokens: int, prefill: int, device, rows: int = 30) -> dict:
     """The fused path's kernels under the torch profiler, with programmatic dependent launch off (so a kernel's time
     is its own, not its wait for the one before; the graphs are captured here, PDL-less): per decode token at each
@@ -143,12 +138,8 @@ def profile_kernels(model, batches, new_tokens: int, prefill: int, device, rows:
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     generate_tokens(model, ids, n, device)
                     torch.cuda.synchronize()
-                stats[n] = _kernel_times(prof)
-            per = {}
-            for key, (count, us) in stats[new_tokens].items():
-                c1, u1 = stats[1].get(key, (0, 0.0))
-                if count > c1:
-                    per[key] = ((count - c1) / (new_tokens - 1), (us - u1) / (new_tokens - 1))
+                stats[n] = kernel_times(prof)
+            per = per_token_kernels(stats[1], stats[new_tokens], new_tokens - 1)
             total = sum(us for _, us in per.values())
             out[f"decode_b{b}"] = {"gpu_us_per_token": total, "kernels_per_token": sum(c for c, _ in per.values()),
                                    "top": sorted(((k[:100], round(c, 2), round(us, 2)) for k, (c, us) in per.items()),
@@ -162,7 +153,7 @@ def profile_kernels(model, batches, new_tokens: int, prefill: int, device, rows:
             with torch.inference_mode():
                 model(input_ids=ids, use_cache=False, logits_to_keep=1)
             torch.cuda.synchronize()
-        per = _kernel_times(prof)
+        per = kernel_times(prof)
         out[f"prefill_T{prefill}"] = {"gpu_us": sum(us for _, us in per.values()),
                                       "kernels": sum(c for c, _ in per.values()),
                                       "top": sorted(((k[:100], c, round(us, 1)) for k, (c, us) in per.items()),

@@ -344,3 +344,19 @@ def test_run_cuda_tests_refuses_bad_settings_and_empty_collections(tmp_path):
     res = _run_shards(tmp_path, {"CAP": "ten"})
     assert res.returncode == 2 and "got 'ten'" in res.stderr
 
+
+
+def test_profile_rows_are_per_token_differences_of_two_calls():
+    """`--profile-decode` and benchmark_moe_model's profile: a kernel's launches and GPU time per generated token are
+    those of the long call minus the 1-token call over the extra tokens (the prompt cancels); a kernel only the
+    prompt runs is left out; largest time first. `kernel_times` reads the profiler's CUDA rows only."""
+    import types
+
+    short = {"prompt_gemm": (10, 500.0), "gemv": (4, 40.0)}
+    long = {"prompt_gemm": (10, 500.0), "gemv": (44, 440.0), "norm": (9, 18.0)}
+    rows = benchmark_latency.per_token_kernels(short, long, 4)
+    assert rows == {"gemv": (10.0, 100.0), "norm": (2.25, 4.5)} and list(rows) == ["gemv", "norm"]
+    cuda, cpu = types.SimpleNamespace(name="CUDA"), types.SimpleNamespace(name="CPU")
+    events = [types.SimpleNamespace(key="k", count=3, self_device_time_total=7.5, device_type=cuda),
+              types.SimpleNamespace(key="aten::mm", count=1, self_device_time_total=0.0, device_type=cpu)]
+    assert benchmark_latency.kernel_times(types.SimpleNamespace(key_averages=lambda: events)) == {"k": (3, 7.5)}
