@@ -683,7 +683,7 @@ def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, d
             saved = model.config.cuda_graphs
             model.set_cuda_graphs(graphs)
             if not pdl:  # new graphs, captured with PDL off (a launch option, read at capture)
-                fused_ops_runtime.PDL_ENABLED = False
+                saved_pdl, fused_ops_runtime.PDL_ENABLED = fused_ops_runtime.PDL_ENABLED, False
                 model.set_fused_kernels(False).set_fused_kernels(True)
         stats = {}
         for n in (1, new_tokens):
@@ -697,7 +697,7 @@ def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, d
         if graphs is not None:
             model.set_cuda_graphs(saved)
             if not pdl:
-                fused_ops_runtime.PDL_ENABLED = True
+                fused_ops_runtime.PDL_ENABLED = saved_pdl
                 model.set_fused_kernels(False).set_fused_kernels(True)
         kernels = per_token_kernels(stats[1], stats[new_tokens], new_tokens - 1)
         out[name] = {"kernels_per_token": sum(c for c, _ in kernels.values()),
