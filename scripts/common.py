@@ -127,7 +127,7 @@ def moe_text_kwargs(shape: str, **overrides) -> dict:
         return tiny_moe_text_kwargs("E8-top2", **overrides)
     if shape not in REAL_MOE_SHAPES:
         raise ValueError(f"unknown MoE shape {shape!r}; choose tiny-moe or one of {sorted(REAL_MOE_SHAPES)}")
-    return dict(REAL_COMMON, **REAL_MOE_SHAPES[shape], **overrides)
+    return {**REAL_COMMON, **REAL_MOE_SHAPES[shape], **overrides}
 
 
 def tiny_vision_kwargs(out_hidden_size: int) -> dict:

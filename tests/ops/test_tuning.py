@@ -170,6 +170,15 @@ def test_record_tuning_writes_a_table_that_reads_back_and_keeps_other_cards(tmp_
     assert path.read_text().startswith(record_tuning.HEADER)
 
 
+@pytest.mark.parametrize("shape, cls, hidden", [("4B", "Qwen3_5FusedForCausalLM", 2560),
+                                                ("35B-A3B", "Qwen3_5MoeFusedForCausalLM", 2048)])
+def test_record_tuning_builds_each_shape_at_its_real_widths_with_4_layers(shape, cls, hidden):
+    model = record_tuning.build(shape, "meta")
+    assert type(model).__name__ == cls and model.config.hidden_size == hidden
+    assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.config.fused_kernels
+
+
 def test_record_tuning_arguments():
     assert record_tuning.parse_rows("1-4,8") == [1, 2, 3, 4, 8]
     if not torch.cuda.is_available():
