@@ -715,10 +715,16 @@ def _ahead_of_more_rows(x, w, gate_up) -> list:
     2.59 s stall, past the 2 s target; in the one-row pool they overlap compiles that run anyway."""
     if x.shape[0] > _GEMV_TIMED_MAX_M or x.dtype not in (torch.bfloat16, torch.float16):
         return []
+    return _two_row_warmups(x, w, gate_up, _skinny_candidates(gate_up))
+
+
+def _two_row_warmups(x, w, gate_up, configs) -> list:
+    """Warm-up launches of `skinny_gemm` at each of `configs` for 2 rows of x's shape (x's row stride, so the same
+    specialisation as the step's)."""
     K = x.shape[1]
     x2 = torch.empty_strided((2, K), (max(x.stride(0), K), 1), dtype=x.dtype, device=x.device)
     y2 = torch.empty(2, w.shape[0] // 2 if gate_up else w.shape[0], dtype=x.dtype, device=x.device)
-    return [functools.partial(_skinny_launch, x2, w, y2, gate_up, cfg, True) for cfg in _skinny_candidates(gate_up)]
+    return [functools.partial(_skinny_launch, x2, w, y2, gate_up, cfg, True) for cfg in configs]
 
 
 def _recorded_warmups(x, w, gate_up, conv, choice) -> list:
@@ -727,18 +733,14 @@ def _recorded_warmups(x, w, gate_up, conv, choice) -> list:
     [] at more rows. On a warm Triton cache these are loads from disk."""
     if x.shape[0] > _GEMV_TIMED_MAX_M:
         return []
-    n = w.shape[0] // 2 if gate_up else w.shape[0]
     warmups = []
     if isinstance(choice, GemvConfig):
-        y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        y = torch.empty(x.shape[0], w.shape[0] // 2 if gate_up else w.shape[0], dtype=x.dtype, device=x.device)
         warmups.append(functools.partial(_gemv_launch, x, w, y, gate_up, choice, conv, True))
     two = (2, *_key_tail(x, w, gate_up))
     more = recorded_choice(_record_path(x.device), two) or shipped_choice(two)
     if isinstance(more, SkinnyConfig):
-        K = x.shape[1]
-        x2 = torch.empty_strided((2, K), (max(x.stride(0), K), 1), dtype=x.dtype, device=x.device)
-        y2 = torch.empty(2, n, dtype=x.dtype, device=x.device)
-        warmups.append(functools.partial(_skinny_launch, x2, w, y2, gate_up, more, True))
+        warmups += _two_row_warmups(x, w, gate_up, [more])
     return warmups
 
 
