@@ -171,13 +171,23 @@ def moe_route_ref(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
 # ---------------------------------------------------------------------------------------------------------------------
 
 _DECODE_MAX_T = 16  # a decode step of batch 1-16; more tokens take the grouped GEMMs
-# (BLOCK_N, BLOCK_K, warps) of the two GEMVs, measured inside the 35B-A3B decode step on the H200 (torch profiler,
-# per layer at batch 1 / 8): gate|up (16, 256, 4) 15 / 72 us against 20 / 97 us for (4, 512, 4); the down GEMV over
-# all k slots at once with (4, 256, 4) 9.9 / 46 us, against 12.4 / 51 us for the slot-by-slot loop it replaced
-# (8 x 512 rows a slot, k dependent loads in series). The down GEMV's [8 * 4, 256] float32 accumulator takes 64
-# registers a thread.
-_DECODE_GATE_UP = (16, 256, 4)
-_DECODE_DOWN = (4, 256, 4)
+# (BLOCK_N, BLOCK_K, warps, loop unroll) of the two GEMVs, chosen by the 35B-A3B decode step's ms per token through
+# `generate` (all 40 layers, CUDA graphs, PDL on, H200, 2026-12-02; 20 gate|up and 14 down configs, one process, the
+# shipped pair read 2.549 ms at batch 1 twice): gate|up (4, 512, 4, 2) 2.412 / 6.688 ms at batch 1 / 8 against
+# 2.549 / 6.894 for the (16, 256, 4, 1) before it (the loop unrolled twice: a later weight tile's load issues before
+# an earlier tile's FMAs wait); with it the down GEMV (16, 128, 8, 4) 2.258 ms at batch 1 but 6.989 at batch 8, where
+# (4, 256, 4, 1) read 6.688 (2.412 at batch 1), hence one config for a lone token and one for more. The down GEMV
+# runs all k slots at once (against 12.4 us a layer for the slot-by-slot loop it replaced: k dependent loads in series);
+# its [8 * BLOCK_N, BLOCK_K] float32 accumulator takes 64 registers a thread in both configs.
+_DECODE_GATE_UP = (4, 512, 4, 2)
+_DECODE_DOWN = (4, 256, 4, 1)  # 2-16 tokens
+_DECODE_DOWN_ONE_TOKEN = (16, 128, 8, 4)
+
+
+def _decode_down_config(T: int) -> tuple[int, int, int, int]:
+    """The down GEMV's (BLOCK_N, BLOCK_K, warps, unroll) for a decode step of T tokens (see above)."""
+    return _DECODE_DOWN_ONE_TOKEN if T == 1 else _DECODE_DOWN
+
 
 # How the shared expert enters `moe_experts` (the kernels' SHARED constexpr)
 _NO_SHARED, _SHARED_OUTPUT, _SHARED_WEIGHTS = 0, 1, 2
@@ -187,7 +197,8 @@ if HAS_TRITON:
     @triton.jit
     def _moe_gate_up_gemv_kernel(
         x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, E, I, H, stride_xt, stride_it,
-        TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+        TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         if PDL:  # ids come from the router kernel just before; the down GEMV may launch once they are in (it reads
             tl.extra.cuda.gdc_wait()  # them, and its first weight tiles, before its own wait)
@@ -206,7 +217,7 @@ if HAS_TRITON:
         p_g = p_base + o_n.to(tl.int64)[:, None] * H  # [BN, 1] gate rows; up rows I*H below
         acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        for k0 in tl.range(0, H, BLOCK_K, loop_unroll_factor=UNROLL):  # UNROLL > 1: later tiles' loads issue early
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = o_k < H
             m_w = m_n[:, None] & m_k[None, :]
@@ -224,7 +235,7 @@ if HAS_TRITON:
         h_ptr, w_ptr, ws_ptr, wt_ptr, ids_ptr, s_ptr, sg_ptr, y_ptr, E, I, H,
         stride_wt, stride_it, stride_st, stride_sgt, stride_yt,
         TOP_K: tl.constexpr, SLOTS: tl.constexpr, SHARED: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
     ):
         # Before the PDL wait, what no kernel still running writes: the ids (the router kernel finished before the
         # gate|up GEMV let this one launch) and the first weight tiles; after it, h from the gate|up GEMV.
@@ -253,7 +264,7 @@ if HAS_TRITON:
             tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros([BLOCK_J * BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_s = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        for k0 in tl.range(0, I, BLOCK_K, loop_unroll_factor=UNROLL):
             o_k = k0 + tl.arange(0, BLOCK_K)
             m_k = o_k < I
             m = m_r[:, None] & m_k[None, :]
@@ -289,8 +300,8 @@ def _moe_experts_decode(x, gate_up, down, weights, ids, shared, shared_gate, sha
     slots = k + (mode == _SHARED_WEIGHTS)
     h = torch.empty(T, slots, I, dtype=x.dtype, device=x.device)  # [T, slots, I] each (token, slot)'s SwiGLU
     y = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    gu_n, gu_k, gu_warps = _DECODE_GATE_UP
-    dn_n, dn_k, dn_warps = _DECODE_DOWN
+    gu_n, gu_k, gu_warps, gu_unroll = _DECODE_GATE_UP
+    dn_n, dn_k, dn_warps, dn_unroll = _decode_down_config(T)
     ws_gu, ws_down = shared_experts if shared_experts is not None else (gate_up, down)
     s = shared if shared is not None else y
     sg = shared_gate if shared_gate is not None else y
@@ -298,14 +309,15 @@ def _moe_experts_decode(x, gate_up, down, weights, ids, shared, shared_gate, sha
         pdl = pdl_enabled(x.device)
         _moe_gate_up_gemv_kernel[(T * slots, triton.cdiv(I, gu_n))](
             x, gate_up, ws_gu, ids, h, E, I, H, x.stride(0), ids.stride(0),
-            TOP_K=k, SLOTS=slots, BLOCK_N=gu_n, BLOCK_K=min(gu_k, triton.next_power_of_2(H)), PDL=pdl,
+            TOP_K=k, SLOTS=slots, BLOCK_N=gu_n, BLOCK_K=min(gu_k, triton.next_power_of_2(H)), UNROLL=gu_unroll,
+            PDL=pdl,
             num_warps=gu_warps, **_pdl_launch(pdl),
         )
         _moe_down_gemv_kernel[(T, triton.cdiv(H, dn_n))](
             h, down, ws_down, weights, ids, s, sg, y, E, I, H,
             weights.stride(0), ids.stride(0), s.stride(0), sg.stride(0), y.stride(0),
             TOP_K=k, SLOTS=slots, SHARED=mode, BLOCK_J=triton.next_power_of_2(k), BLOCK_N=dn_n,
-            BLOCK_K=min(dn_k, triton.next_power_of_2(I)), PDL=pdl,
+            BLOCK_K=min(dn_k, triton.next_power_of_2(I)), UNROLL=dn_unroll, PDL=pdl,
             num_warps=dn_warps, **_pdl_launch(pdl),
         )
     return y

@@ -1,6 +1,6 @@
 """Tile candidates of the MoE experts' kernels, timed at a real MoE shape on one GPU: the prefill grouped GEMMs
 (`fused_ops_moe_gemm._GATE_UP_TILES`, `_DOWN_TILES`) and the decode GEMVs (`fused_ops_moe._DECODE_GATE_UP`,
-`_DECODE_DOWN`), against the floors and stock's `grouped_mm` experts on the same routing.
+`_DECODE_DOWN`, `_DECODE_DOWN_ONE_TOKEN`), against the floors and stock's `grouped_mm` experts on the same routing.
 
     python scripts/tune_moe_gemm.py --tokens 2048 --decode-tokens 1,8 --out out/tune_moe
     # CPU smoke run (Triton interpreter; the times mean nothing)
@@ -33,11 +33,14 @@ GATE_UP_CANDIDATES = [(64, 128, 64, 4, 3), (64, 64, 64, 4, 4), (64, 64, 128, 4, 
                       (32, 128, 64, 4, 4), (64, 64, 32, 4, 6)]
 DOWN_CANDIDATES = [(64, 128, 64, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (32, 128, 64, 4, 3),
                    (128, 128, 64, 8, 3), (64, 64, 128, 4, 3), (128, 256, 64, 8, 3), (64, 128, 32, 4, 5)]
-# ((BLOCK_N, BLOCK_K, warps) gate|up, (BLOCK_N, BLOCK_K, warps) down)
-DECODE_CANDIDATES = [((4, 512, 4), (4, 256, 4)), ((16, 256, 4), (4, 256, 4)), ((8, 256, 4), (4, 256, 4)),
-                     ((2, 1024, 4), (4, 256, 4)), ((4, 1024, 8), (4, 256, 4)), ((8, 512, 8), (4, 256, 4)),
-                     ((4, 512, 4), (2, 512, 4)), ((4, 512, 4), (8, 128, 4)), ((4, 512, 4), (4, 512, 8)),
-                     ((4, 512, 4), (2, 256, 2)), ((4, 512, 4), (8, 256, 8))]
+# ((BLOCK_N, BLOCK_K, warps, unroll) gate|up, (BLOCK_N, BLOCK_K, warps, unroll) down)
+DECODE_CANDIDATES = [((4, 512, 4, 1), (4, 256, 4, 1)), ((16, 256, 4, 1), (4, 256, 4, 1)),
+                     ((16, 256, 4, 2), (4, 256, 4, 2)), ((8, 512, 4, 2), (4, 256, 4, 1)),
+                     ((8, 256, 4, 1), (4, 256, 4, 1)), ((2, 1024, 4, 1), (4, 256, 4, 1)),
+                     ((4, 1024, 8, 1), (4, 256, 4, 1)), ((8, 512, 8, 1), (4, 256, 4, 1)),
+                     ((16, 256, 4, 1), (2, 512, 4, 1)), ((16, 256, 4, 1), (8, 128, 4, 2)),
+                     ((16, 256, 4, 1), (4, 512, 8, 1)), ((16, 256, 4, 1), (2, 256, 2, 2)),
+                     ((16, 256, 4, 1), (8, 256, 8, 1))]
 
 
 def routing(block, T: int, device, dtype):
@@ -96,10 +99,11 @@ def tune_decode(block, T: int, repeats: int, ceil: dict, device, dtype) -> dict:
     size = gu.element_size()
     read = (len(torch.unique(ids)) + 1) * 3 * I * H * size
     rows = []
-    saved = (moe._DECODE_GATE_UP, moe._DECODE_DOWN)
+    saved = (moe._DECODE_GATE_UP, moe._DECODE_DOWN, moe._DECODE_DOWN_ONE_TOKEN)
     try:
         for cand in DECODE_CANDIDATES:
             moe._DECODE_GATE_UP, moe._DECODE_DOWN = cand
+            moe._DECODE_DOWN_ONE_TOKEN = cand[1]
             try:
                 call = lambda _=None: moe.moe_experts(x, gu, dn, weights, ids, shared_gate=sg,  # noqa: E731
                                                       shared_experts=shared_w)
@@ -110,7 +114,7 @@ def tune_decode(block, T: int, repeats: int, ceil: dict, device, dtype) -> dict:
                 rows.append({"tile": cand, "error": f"{type(err).__name__}: {err}"[:200]})
             print(f"decode T={T} {rows[-1]}", flush=True)
     finally:
-        moe._DECODE_GATE_UP, moe._DECODE_DOWN = saved
+        moe._DECODE_GATE_UP, moe._DECODE_DOWN, moe._DECODE_DOWN_ONE_TOKEN = saved
     return {"floor_ms": 1e3 * read / ceil["copy_bytes_per_s"], "candidates": rows}
 
 

@@ -394,13 +394,14 @@ import torch
 fused_ops_moe, fused_ops_moe_gemm = import_module("fused_ops_moe"), import_module("fused_ops_moe_gemm")
 compile_(fused_ops_moe._moe_route_kernel, dict(l_ptr="*bf16", w_ptr="*bf16", i_ptr="*i64"),
          dict(TOP_K=8, BLOCK_T=1, BLOCK_E=256, BLOCK_K=8), 1)
-gu_n, gu_k, gu_w = fused_ops_moe._DECODE_GATE_UP
+gu_n, gu_k, gu_w, gu_u = fused_ops_moe._DECODE_GATE_UP
 compile_(fused_ops_moe._moe_gate_up_gemv_kernel, dict(x_ptr="*bf16", w_ptr="*bf16", ws_ptr="*bf16", ids_ptr="*i64",
-         h_ptr="*bf16"), dict(TOP_K=8, SLOTS=9, BLOCK_N=gu_n, BLOCK_K=gu_k), gu_w)
-dn_n, dn_k, dn_w = fused_ops_moe._DECODE_DOWN
-compile_(fused_ops_moe._moe_down_gemv_kernel, dict(h_ptr="*bf16", w_ptr="*bf16", ws_ptr="*bf16", wt_ptr="*bf16",
-         ids_ptr="*i64", s_ptr="*bf16", sg_ptr="*bf16", y_ptr="*bf16"),
-         dict(TOP_K=8, SLOTS=9, SHARED=fused_ops_moe._SHARED_WEIGHTS, BLOCK_J=8, BLOCK_N=dn_n, BLOCK_K=dn_k), dn_w)
+         h_ptr="*bf16"), dict(TOP_K=8, SLOTS=9, BLOCK_N=gu_n, BLOCK_K=gu_k, UNROLL=gu_u), gu_w)
+for T, slots, shared in ((1, 9, fused_ops_moe._SHARED_WEIGHTS), (8, 8, fused_ops_moe._SHARED_OUTPUT)):
+    dn_n, dn_k, dn_w, dn_u = fused_ops_moe._decode_down_config(T)
+    compile_(fused_ops_moe._moe_down_gemv_kernel, dict(h_ptr="*bf16", w_ptr="*bf16", ws_ptr="*bf16",
+             wt_ptr="*bf16", ids_ptr="*i64", s_ptr="*bf16", sg_ptr="*bf16", y_ptr="*bf16"),
+             dict(TOP_K=8, SLOTS=slots, SHARED=shared, BLOCK_J=8, BLOCK_N=dn_n, BLOCK_K=dn_k, UNROLL=dn_u), dn_w)
 g = fused_ops_moe_gemm
 for dt, torch_dt, prec in (("bf16", torch.bfloat16, "tf32"), ("fp32", torch.float32, "ieee")):
     for kernel, tiles, N, K, out in ((g._moe_gate_up_gemm_kernel, g._GATE_UP_TILES, 512, 2048, "h_ptr"),
@@ -421,7 +422,7 @@ compile_(g._moe_combine_kernel, dict(d_ptr="*bf16", wt_ptr="*bf16", ids_ptr="*i6
 def test_moe_kernels_compile_for_sm90():
     """Every MoE kernel at the 35B-A3B shape's launch constants, as the H200 compiles them (with PDL); the GEMMs in
     bf16 and in IEEE float32."""
-    assert compile_for_sm90(_SM90_CALLS) == 9
+    assert compile_for_sm90(_SM90_CALLS) == 10
 
 
 # ---------------------------------------------------------------------------------------------------------------------
