@@ -8,8 +8,11 @@ then compiles one kernel per choice instead of timing every candidate (docs/DESI
 Runs in an empty Triton cache of its own (so every choice is timed here, none read from an earlier run) with the
 shipped table off, on random weights at each shape's real widths (4 layers: the choices depend on the matrices'
 shapes, not on depth), bf16: one 2-token `generate` per row count (its first decode step times each linear), and
-prompts of 16 and 300 tokens (the prefill's fla kernels). The card's entry in `--out` is replaced; other cards'
-entries are kept. Needs a CUDA GPU.
+prompts of 16 and 300 tokens (the prefill's fla kernels). The card's entry in `--out` is replaced (with `--add`:
+extended by this run's shapes, when both runs used the same torch, triton, fla, candidates and PDL setting); other
+cards' entries are kept. Needs a CUDA GPU.
+
+    python scripts/record_tuning.py --shapes 27B,35B-A3B --rows 1-32 --add
 """
 
 import argparse
@@ -131,13 +134,43 @@ def literal(value, indent: int = 0) -> str:
     return "[\n" + "\n".join(items) + "\n" + " " * indent + "]"
 
 
-def write_table(path: Path, entry: dict) -> None:
-    """`path` with this card's entry replaced (other cards kept)."""
+def merge_entry(old: dict, new: dict) -> dict:
+    """`new` (this run's entry for a card) extended by `old` (the card's entry in the table): the choices of both,
+    this run's where both hold a key; refused (SystemExit naming what differs) unless both were recorded with the same
+    torch, triton, fla, dtype, decode-linear candidates and PDL setting, so one entry never mixes what two setups
+    chose."""
+    same = [("recorded", k) for k in ("torch", "triton", "fla", "dtype")] + [("small_linear", "candidates"),
+                                                                             ("small_linear", "pdl")]
+    differ = [f"{a}.{b}: {old[a].get(b)!r} in the table, {new[a].get(b)!r} now" for a, b in same
+              if old[a].get(b) != new[a].get(b)]
+    if differ or old["capability"] != new["capability"]:
+        raise SystemExit(f"record_tuning.py --add: {new['name']}'s entry was recorded differently "
+                         f"({'; '.join(differ) or 'capability'}); record every shape again without --add.")
+    kernels = {}
+    for name in sorted(set(old["fla"]["kernels"]) | set(new["fla"]["kernels"])):
+        rows = {repr(key): [key, cfg] for key, cfg in old["fla"]["kernels"].get(name, [])}
+        rows.update({repr(key): [key, cfg] for key, cfg in new["fla"]["kernels"].get(name, [])})
+        kernels[name] = [rows[k] for k in sorted(rows)]
+    shapes = old["recorded"]["shapes"] + [s for s in new["recorded"]["shapes"] if s not in old["recorded"]["shapes"]]
+    rows = [min(old["recorded"]["rows"][0], new["recorded"]["rows"][0]),
+            max(old["recorded"]["rows"][1], new["recorded"]["rows"][1])]
+    return {**new, "recorded": {**new["recorded"], "shapes": shapes, "rows": rows},
+            "small_linear": {**new["small_linear"],
+                             "choices": {**old["small_linear"]["choices"], **new["small_linear"]["choices"]}},
+            "fla": {**new["fla"], "kernels": kernels}}
+
+
+def write_table(path: Path, entry: dict, add: bool = False) -> dict:
+    """`path` with this card's entry replaced, or with `add` merged into the card's entry (`merge_entry`); other
+    cards kept. Returns the card's entry as written."""
     table = {}
     if path.exists():
         table = ast.literal_eval(path.read_text().split("TUNED = ", 1)[1])
+    if add and entry["name"] in table:
+        entry = merge_entry(table[entry["name"]], entry)
     table[entry["name"]] = entry
     path.write_text(HEADER + "TUNED = " + literal(table) + "\n")
+    return entry
 
 
 def main(argv=None):
@@ -146,11 +179,13 @@ def main(argv=None):
                    help="comma list of real shapes: dense 0.8B, 4B, 9B, 27B; MoE 35B-A3B")
     p.add_argument("--rows", default="1-32", help="decode row counts, e.g. 1-32 or 1,8")
     p.add_argument("--out", default=str(REPO / "fused_tuned_choices.py"))
+    p.add_argument("--add", action="store_true",
+                   help="extend the card's entry in --out by these shapes instead of replacing it")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("record_tuning.py needs a CUDA GPU: it records what this card's kernels choose")
     entry = record([s for s in args.shapes.split(",") if s], parse_rows(args.rows), torch.device("cuda"))
-    write_table(Path(args.out), entry)
+    entry = write_table(Path(args.out), entry, add=args.add)
     print(f"{entry['name']}: {len(entry['small_linear']['choices'])} decode-linear choices, "
           f"{sum(len(v) for v in entry['fla']['kernels'].values())} fla tuning keys -> {args.out}")
 

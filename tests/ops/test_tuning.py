@@ -170,6 +170,35 @@ def test_record_tuning_writes_a_table_that_reads_back_and_keeps_other_cards(tmp_
     assert path.read_text().startswith(record_tuning.HEADER)
 
 
+def _recorded_entry(shapes, choices, fla_rows, torch_version="2.11.0"):
+    return {"name": "Card A", "capability": [9, 0],
+            "recorded": {"date": "2026-12-02", "torch": torch_version, "triton": "3.6.0", "fla": "0.6.0",
+                         "shapes": shapes, "rows": [1, 32], "dtype": "bfloat16"},
+            "small_linear": {"candidates": "abc", "pdl": True, "choices": choices},
+            "fla": {"version": "0.6.0", "kernels": {"fla.x:k": fla_rows}}}
+
+
+def test_record_tuning_add_extends_the_cards_entry_only_when_recorded_alike(tmp_path):
+    path = tmp_path / "fused_tuned_choices.py"
+    cfg = {"kwargs": {"BV": 32}, "num_warps": 4, "num_stages": 2}
+    record_tuning.write_table(path, _recorded_entry(["4B"], {"1x8x8-bfloat16": "cublas"}, [[[16], cfg]]))
+    later = _recorded_entry(["27B"], {"1x9x9-bfloat16": ["gemv", 8, 512, 4, False, 1]},
+                            [[[16], {**cfg, "num_warps": 8}], [[48], cfg]])
+    record_tuning.write_table(path, later, add=True)
+    scope = {}
+    exec(path.read_text(), scope)  # noqa: S102 - the file the test just wrote
+    entry = scope["TUNED"]["Card A"]
+    assert entry["recorded"]["shapes"] == ["4B", "27B"]
+    assert entry["small_linear"]["choices"] == {"1x8x8-bfloat16": "cublas",
+                                                "1x9x9-bfloat16": ["gemv", 8, 512, 4, False, 1]}
+    assert entry["fla"]["kernels"]["fla.x:k"] == [[[16], {**cfg, "num_warps": 8}], [[48], cfg]]  # this run's wins
+    with pytest.raises(SystemExit, match=r"recorded\.torch: '2\.11\.0' in the table, '2\.12\.0' now"):
+        record_tuning.write_table(path, _recorded_entry(["9B"], {}, [], torch_version="2.12.0"), add=True)
+    record_tuning.write_table(path, _recorded_entry(["9B"], {}, []))  # without --add: replaced
+    exec(path.read_text(), scope)  # noqa: S102
+    assert scope["TUNED"]["Card A"]["recorded"]["shapes"] == ["9B"]
+
+
 @pytest.mark.parametrize("shape, cls, hidden", [("4B", "Qwen3_5FusedForCausalLM", 2560),
                                                 ("35B-A3B", "Qwen3_5MoeFusedForCausalLM", 2048)])
 def test_record_tuning_builds_each_shape_at_its_real_widths_with_4_layers(shape, cls, hidden):

@@ -58,6 +58,32 @@ def test_eval_quality_builds_the_moe_pair(tmp_path, fused_on_cpu):
     assert "| random tiny-moe |" in (tmp_path / "quality.md").read_text()
 
 
+def test_benchmark_pair_is_stock_bit_for_bit_in_bf16_when_stock_runs():
+    """`build_pair`'s fused model on CPU (stock's code) gives stock's logits exactly in bf16: same weights and the same
+    float32 rotary buffers (a cast of the pair's fused half once rounded them to bf16)."""
+    for shape in ("tiny", "tiny-moe"):
+        stock, fused = benchmark_latency.build_pair(shape, None, torch.device("cpu"), torch.bfloat16)
+        assert fused.model.rotary_emb.inv_freq.dtype == stock.model.rotary_emb.inv_freq.dtype == torch.float32
+        ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode(), benchmark_latency.stock_cpu_guard(torch.device("cpu")):
+            assert torch.equal(fused(input_ids=ids).logits, stock(input_ids=ids).logits), shape
+
+
+def test_eval_quality_against_fp32(tmp_path, fused_on_cpu):
+    """`--fp32-reference --layers 4`: each bf16 path's error against stock's fp32 answer on the same weights (the
+    fused path emulated on CPU); a --layers leaving no attention layer is refused."""
+    results = eval_quality.main(["--shapes", "tiny-moe", "--device", "cpu", "--dtype", "bfloat16", "--max-windows",
+                                 "2", "--window", "32", "--new-tokens", "4", "--layers", "4", "--fp32-reference",
+                                 "--out", str(tmp_path)])
+    (r,) = results["models"]
+    stock, fused = r["vs_fp32"]["stock"], r["vs_fp32"]["fused"]
+    assert 0 < stock["rel_logit_err"] < 0.05 and 0 < fused["rel_logit_err"] <= 1.5 * stock["rel_logit_err"]
+    assert 0.9 <= fused["top1_agreement"] <= 1 and r["model"] == "random tiny-moe, 4 layers"
+    assert f"| {stock['rel_logit_err']:.2e} / {fused['rel_logit_err']:.2e} |" in (tmp_path / "quality.md").read_text()
+    with pytest.raises(SystemExit):
+        eval_quality.main(["--shapes", "tiny-moe", "--device", "cpu", "--layers", "2"])
+
+
 def test_eval_quality_on_shipped_model_cpu(tmp_path):
     results = eval_quality.main(["--model", str(REPO), "--shapes", "tiny", "--device", "cpu", "--dtype", "float32",
                                  "--max-windows", "2", "--window", "64", "--new-tokens", "6", "--out", str(tmp_path)])
@@ -238,7 +264,8 @@ def test_tune_moe_gemm_runs_on_cpu(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tune_moe_gemm, "GATE_UP_CANDIDATES", [(64, 64, 64, 4, 4), (16, 16, 32, 4, 1)])
     monkeypatch.setattr(tune_moe_gemm, "DOWN_CANDIDATES", [(64, 128, 64, 4, 3), (16, 16, 32, 4, 1)])
-    monkeypatch.setattr(tune_moe_gemm, "DECODE_CANDIDATES", [((16, 256, 4), (4, 256, 4)), ((4, 64, 4), (2, 64, 4))])
+    monkeypatch.setattr(tune_moe_gemm, "DECODE_CANDIDATES", [((16, 256, 4, 1), (4, 256, 4, 1)),
+                                                             ((4, 64, 4, 2), (2, 64, 4, 2))])
     results = tune_moe_gemm.main(["--shape", "tiny", "--device", "cpu", "--tokens", "40", "--decode-tokens", "1",
                                   "--repeats", "1", "--out", str(tmp_path)])
     prefill, decode = results["prefill"]["40"], results["decode"]["1"]
