@@ -112,35 +112,40 @@ def measure_ceilings(device: torch.device) -> dict:
 # ---------------------------------------------------------------------------------------------------------- models
 
 
-def build_pair(shape: str | None, model_id: str | None, device, dtype, seed: int = 0):
-    """(stock, fused) models with identical weights. Random weights for `shape`, else loaded from `model_id`."""
-    stock = build_one(shape, model_id, device, dtype, fused=False, seed=seed)
+def build_pair(shape: str | None, model_id: str | None, device, dtype, seed: int = 0, layers: int = 0):
+    """(stock, fused) models with identical weights. Random weights for `shape` (only `layers` decoder layers when
+    > 0), else loaded from `model_id`."""
+    stock = build_one(shape, model_id, device, dtype, fused=False, seed=seed, layers=layers)
     if model_id is not None:
         return stock, build_one(shape, model_id, device, dtype, fused=True)
-    kwargs, _, fused_cls, fused_config = _classes(shape)
+    kwargs, _, fused_cls, fused_config = _classes(shape, layers)
     # Build the fused model on the meta device and hand it the stock model's tensors (no second copy is
     # allocated and then freed), then pack: packing copies each projection group once into its packed matrix. (A MoE
     # model's experts are not packed: the pair shares them, so 35B-A3B's pair fits one H200.)
     with torch.device("meta"):
         fused = fused_cls(fused_config(**kwargs, fused_kernels=True))
     fused.load_state_dict(stock.state_dict(), assign=True)
-    for name, buf in stock.named_buffers():  # non-persistent buffers (rotary inv_freq) are not in the state dict
+    fused.to(dtype).eval()
+    # Non-persistent buffers (the rotary inv_freq) are not in the state dict: stock's, as stock holds them (float32
+    # in a bf16 model), handed over after the cast above, which would round them to `dtype` (and move the rotary
+    # angles: 4e-3 in bf16 cos / sin)
+    for name, buf in stock.named_buffers():
         owner, _, attr = name.rpartition(".")
         setattr(fused.get_submodule(owner), attr, buf)
-    fused.to(dtype).eval()
     fused._refresh_fused()
     return stock, fused
 
 
-def build_one(shape: str | None, model_id: str | None, device, dtype, fused: bool, seed: int = 0):
+def build_one(shape: str | None, model_id: str | None, device, dtype, fused: bool, seed: int = 0, layers: int = 0):
     """The stock or the fused model alone, as a user builds it (loaded from `model_id`, or random weights at `shape`
-    built in `dtype` on `device`): what a cold start pays for, without the other model of `build_pair`."""
+    built in `dtype` on `device`, `layers` decoder layers when > 0): what a cold start pays for, without the other
+    model of `build_pair`."""
     from transformers import AutoModelForCausalLM
 
     if model_id is not None:
         extra = {"trust_remote_code": True, "fused_kernels": True} if fused else {}
         return AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, **extra).to(device).eval()
-    kwargs, (stock_cls, stock_config), fused_cls, fused_config = _classes(shape)
+    kwargs, (stock_cls, stock_config), fused_cls, fused_config = _classes(shape, layers)
     config = fused_config(**kwargs, fused_kernels=True) if fused else stock_config(**kwargs)
     torch.manual_seed(seed)
     # Built directly in the target dtype on the target device: 27B in bf16 is 54 GB; built in fp32 first it would
@@ -149,16 +154,18 @@ def build_one(shape: str | None, model_id: str | None, device, dtype, fused: boo
         return (fused_cls if fused else stock_cls)._from_config(config, dtype=dtype).eval()
 
 
-def _classes(shape: str):
+def _classes(shape: str, layers: int = 0):
     """(config kwargs, (stock class, stock config class), fused class, fused config class) of a random-weight
-    `shape`: "tiny", a `REAL_SHAPES` size, or a MoE shape (`scripts.common.is_moe_shape`: "tiny-moe", "35B-A3B")."""
+    `shape`: "tiny", a `REAL_SHAPES` size, or a MoE shape (`scripts.common.is_moe_shape`: "tiny-moe", "35B-A3B");
+    with `layers` > 0, that many decoder layers."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     configuration, modeling, _ = import_repo()
+    depth = {"num_hidden_layers": layers} if layers > 0 else {}
     if is_moe_shape(shape):
-        return (moe_text_kwargs(shape), (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig),
+        return (moe_text_kwargs(shape, **depth), (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig),
                 modeling.Qwen3_5MoeFusedForCausalLM, configuration.Qwen3_5MoeFusedTextConfig)
-    kwargs = tiny_text_kwargs() if shape == "tiny" else real_text_kwargs(shape)
+    kwargs = tiny_text_kwargs(**depth) if shape == "tiny" else real_text_kwargs(shape, **depth)
     return (kwargs, (Qwen3_5ForCausalLM, Qwen3_5TextConfig), modeling.Qwen3_5FusedForCausalLM,
             configuration.Qwen3_5FusedTextConfig)
 
