@@ -3,6 +3,9 @@
     # the rule step's value columns per program, 32 (main) against 16, at 4B and 0.8B, batch 1 and 8
     python scripts/ab_decode.py --shapes 4B,0.8B --batches 1,8 \\
         --variant base: --variant bv16:fused_ops_deltanet._GDR_BLOCK_V=16
+    # the MoE model's decode GEMV tiles (35B-A3B: the pair shares its experts, ~73 GB on one H200)
+    python scripts/ab_decode.py --shapes 35B-A3B --batches 1,8 --new-tokens 32 \\
+        --variant base: --variant gu16:"fused_ops_moe._DECODE_GATE_UP=(16, 256, 4, 1)"
     # CPU smoke run (what the tests run): the fused classes run stock's code there, so every variant is the same
     python scripts/ab_decode.py --shapes tiny --device cpu --dtype float32 --new-tokens 3 --repeats 1 \\
         --variant a: --variant b:fused_ops_attention._DA_MIN_SPLIT=32
@@ -148,7 +151,8 @@ def to_markdown(results: dict) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="4B,0.8B", help="comma list of real shapes (0.8B,4B,9B,27B) or 'tiny'")
+    p.add_argument("--shapes", default="4B,0.8B",
+                   help="comma list of real shapes (0.8B, 4B, 9B, 27B; the MoE 35B-A3B) or 'tiny' / 'tiny-moe'")
     p.add_argument("--batches", default="1")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

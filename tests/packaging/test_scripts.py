@@ -277,8 +277,8 @@ def test_tune_moe_gemm_runs_on_cpu(tmp_path, monkeypatch):
     assert "| 40 | gate_up | (16, 16, 32, 4, 1) |" in (tmp_path / "tune_moe.md").read_text()
 
 
-def _ab(tmp_path, *variants, batches="1,2"):
-    args = ["--shapes", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", batches, "--new-tokens", "3",
+def _ab(tmp_path, *variants, batches="1,2", shape="tiny"):
+    args = ["--shapes", shape, "--device", "cpu", "--dtype", "float32", "--batches", batches, "--new-tokens", "3",
             "--repeats", "1", "--out", str(tmp_path)]
     for v in variants:
         args += ["--variant", v]
@@ -297,6 +297,18 @@ def test_ab_decode_runs_the_fused_decode_on_cpu(tmp_path, fused_on_cpu):
     assert generate_mod.STOP_CHECK_EVERY == 8 and import_module("fused_ops_attention")._DA_MIN_SPLIT == 64
     assert "| tiny | 2 | every1 |" in (tmp_path / "ab.md").read_text()
     assert json.loads((tmp_path / "ab.json").read_text())["meta"]["variants"][1].startswith("every1:")
+
+
+def test_ab_decode_takes_the_moe_shapes(tmp_path, fused_on_cpu):
+    """The MoE model through the same A/B (the method that chose the MoE decode GEMVs' tiles): its decode step runs
+    fused (emulated), a tile variant is applied and undone."""
+    moe = import_module("fused_ops_moe")
+    shipped = (moe._DECODE_GATE_UP, moe._DECODE_DOWN_ONE_TOKEN)
+    results = _ab(tmp_path, "base:", "tiles:fused_ops_moe._DECODE_GATE_UP=(16, 256, 4, 1),"
+                  "fused_ops_moe._DECODE_DOWN_ONE_TOKEN=(4, 256, 4, 1)", shape="tiny-moe")
+    rows = results["models"]["tiny-moe"]
+    assert set(rows) == {"1", "2"} and rows["2"]["tiles"]["first_divergence"] is None
+    assert (moe._DECODE_GATE_UP, moe._DECODE_DOWN_ONE_TOKEN) == shipped
 
 
 def test_ab_decode_applies_settings_and_restores_them_on_error(tmp_path, fused_on_cpu):
