@@ -80,8 +80,11 @@ def against_fp32(stock, batches: list[torch.Tensor], kept: list, device) -> dict
     """{path: {"rel_logit_err", "top1_agreement"}} of the `kept` logits against the fp32 answer on `batches`. Casts
     `stock` to float32 in place (call it last: the model is the reference afterwards)."""
     stock.float()
-    if hasattr(stock, "set_experts_implementation"):  # a MoE model: the plain loop over the experts hit
-        stock.set_experts_implementation("eager")
+    if getattr(stock.config, "num_experts", None):  # a MoE model: the plain loop over the experts hit
+        if hasattr(stock, "set_experts_implementation"):
+            stock.set_experts_implementation("eager")
+        else:  # a transformers without the setter reads the config's field
+            stock.config._experts_implementation = "eager"
     num, den, agree, total = {}, 0.0, {}, 0
     with torch.inference_mode(), import_module("fused_compat").torch_reference_kernels():
         for ids, logits in zip(batches, kept):

@@ -86,12 +86,15 @@ def test_eval_quality_against_fp32(tmp_path, fused_on_cpu):
 
 def test_eval_quality_on_shipped_model_cpu(tmp_path):
     results = eval_quality.main(["--model", str(REPO), "--shapes", "tiny", "--device", "cpu", "--dtype", "float32",
-                                 "--max-windows", "2", "--window", "64", "--new-tokens", "6", "--out", str(tmp_path)])
+                                 "--max-windows", "2", "--window", "64", "--new-tokens", "6", "--fp32-reference",
+                                 "--out", str(tmp_path)])
     shipped, tiny = results["models"]
-    # On CPU the fused classes run stock's code: exact agreement is the only right answer.
+    # On CPU the fused classes run stock's code: exact agreement is the only right answer (in fp32, with the fp32
+    # answer too).
     for r in (shipped, tiny):
         assert r["rel_logit_err"] == 0.0 and r["top1_agreement"] == 1.0
         assert r["greedy"]["first_divergence"] is None
+        assert all(v == {"rel_logit_err": 0.0, "top1_agreement": 1.0} for v in r["vs_fp32"].values()), r["vs_fp32"]
     assert shipped["nll_per_token"]["stock"] == shipped["nll_per_token"]["fused"] < 8
     assert tiny["nll_per_token"] is None
     assert "| random tiny |" in (tmp_path / "quality.md").read_text()
