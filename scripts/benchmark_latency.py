@@ -670,10 +670,13 @@ def per_token_kernels(short: dict, long: dict, tokens: int) -> dict:
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][1]))
 
 
+PROFILE_VARIANTS = ("stock", "fused-eager", "fused")  # --profile-decode's: stock, fused without and with graphs
+
+
 def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, device, vocab, rows: int = 12,
-                   pdl: bool = True) -> dict:  # noqa: PLR0913
-    """Per generated token under the torch profiler, for each decode variant (stock, fused without and with CUDA
-    graphs): kernels and summed GPU time per token, and the kernels that take the most of it, each as the profile of
+                   pdl: bool = True, variants=PROFILE_VARIANTS) -> dict:  # noqa: PLR0913
+    """Per generated token under the torch profiler, for each decode variant named in `variants` (of
+    `PROFILE_VARIANTS`: stock, fused without and with CUDA graphs): kernels and summed GPU time per token, and the kernels that take the most of it, each as the profile of
     a `new_tokens` call minus that of a 1-token call (`per_token_kernels`: the prefill cancels). Kernels replayed from
     a CUDA graph are recorded individually by CUPTI. With programmatic dependent launch on (`fused_ops.pdl_enabled`),
     a kernel's recorded time includes its wait for the one before, so the sum exceeds the token's time; `pdl=False`
@@ -682,10 +685,10 @@ def profile_decode(models: dict, batch: int, prompt_len: int, new_tokens: int, d
 
     fused_ops_runtime = import_module("fused_ops_runtime")  # PDL_ENABLED is read there
     ids = torch.randint(3, vocab, (batch, prompt_len), device=device)
-    variants = [("stock", models["stock"], None), ("fused-eager", models["fused"], False),
-                ("fused", models["fused"], True)]
+    runs = {"stock": (models["stock"], None), "fused-eager": (models["fused"], False), "fused": (models["fused"], True)}
     out = {}
-    for name, model, graphs in variants:
+    for name in variants:
+        model, graphs = runs[name]
         if graphs is not None:
             saved = model.config.cuda_graphs
             model.set_cuda_graphs(graphs)
@@ -955,6 +958,9 @@ def main(argv=None):
     p.add_argument("--profile-decode", default="", help="comma list of batch sizes whose decode step to profile (GPU)")
     p.add_argument("--profile-no-pdl", action="store_true",
                    help="--profile-decode with programmatic dependent launch off (each kernel's own time)")
+    p.add_argument("--profile-variants", default=",".join(PROFILE_VARIANTS),
+                   help="comma list of the decode variants --profile-decode profiles (stock's step, launch-bound, "
+                        "takes most of the time)")
     p.add_argument("--plain-batch", type=int, default=4,
                    help="batch of the padded forward that returns a cache (model(**inputs)); 0: skip")
     p.add_argument("--new-shapes", default="",
@@ -974,6 +980,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.cold_child:
         return cold_child(args)
+    profile_variants = [v for v in args.profile_variants.split(",") if v]
+    unknown = sorted(set(profile_variants) - set(PROFILE_VARIANTS))
+    if unknown or not profile_variants:
+        p.error(f"--profile-variants {args.profile_variants!r}: choose from {','.join(PROFILE_VARIANTS)}")
 
     import transformers
 
@@ -1026,7 +1036,7 @@ def main(argv=None):
             r["profile"] = {T: profile_forward(models, int(T), device, vocab) for T in args.profile.split(",")}
         if args.profile_decode and device.type == "cuda":
             r["profile_decode"] = {b: profile_decode(models, int(b), args.prompt_len, args.new_tokens, device, vocab,
-                                                     rows=22, pdl=not args.profile_no_pdl)
+                                                     rows=22, pdl=not args.profile_no_pdl, variants=profile_variants)
                                    for b in args.profile_decode.split(",")}
         ceil = results["ceilings"]
         if ceil:

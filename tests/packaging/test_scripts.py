@@ -41,6 +41,13 @@ def test_benchmark_runs_on_cpu(tmp_path):
     assert "| tiny | 16 |" in md and results["meta"]["command"].startswith("python scripts/benchmark_latency.py")
 
 
+@pytest.mark.parametrize("value", ["fused,stok", ","])
+def test_benchmark_rejects_unknown_profile_variants(value, capsys):
+    with pytest.raises(SystemExit):
+        benchmark_latency.main(["--shapes", "tiny", "--device", "cpu", "--profile-variants", value])
+    assert f"--profile-variants {value!r}: choose from stock,fused-eager,fused" in capsys.readouterr().err
+
+
 def test_benchmark_weight_accounting_counts_shared_storage_once():
     stock, fused = benchmark_latency.build_pair("tiny", None, torch.device("cpu"), torch.float32)
     assert benchmark_latency.param_counts(fused) == benchmark_latency.param_counts(stock)
