@@ -172,8 +172,8 @@ def moe_route_ref(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch
 
 _DECODE_MAX_T = 16  # a decode step of batch 1-16; more tokens take the grouped GEMMs
 # (BLOCK_N, BLOCK_K, warps, loop unroll) of the two GEMVs, chosen by the 35B-A3B decode step's ms per token through
-# `generate` (all 40 layers, CUDA graphs, PDL on, H200, 2026-12-02; 20 gate|up and 14 down configs, one process, the
-# shipped pair read 2.549 ms at batch 1 twice): gate|up (4, 512, 4, 2) 2.412 / 6.688 ms at batch 1 / 8 against
+# `generate` (all 40 layers, CUDA graphs, PDL on, H200, 2026-12-02; 17 gate|up and 14 down configs in two runs, the
+# shipped pair read 2.549-2.553 ms at batch 1 in both): gate|up (4, 512, 4, 2) 2.412 / 6.688 ms at batch 1 / 8 against
 # 2.549 / 6.894 for the (16, 256, 4, 1) before it (the loop unrolled twice: a later weight tile's load issues before
 # an earlier tile's FMAs wait); with it the down GEMV (16, 128, 8, 4) 2.258 ms at batch 1 but 6.989 at batch 8, where
 # (4, 256, 4, 1) read 6.688 (2.412 at batch 1), hence one config for a lone token and one for more. The down GEMV
