@@ -824,7 +824,80 @@ def to_markdown(results: dict) -> str:
             lines.append(f"| {name} | {s / 2**30:.3f} | {'-' if e is None else f'{e / 2**30:.3f}'} | {f / 2**30:.3f} | "
                          f"{f / s:.3f} |")
     lines += _stall_markdown(results)
+    lines += targets_markdown(results)
     return "\n".join(lines) + "\n"
+
+
+# The latency issue's targets (issue 24), each read from this run's own rows of a named shape: (what, shape, key, limit,
+# how the figure is read). Kinds: "decode/floor" (fused + graphs over the weight-read floor at batch `key`),
+# "forward/floor" (fused + graphs over the forward floor at length `key`), "forward/stock" (stock over fused + graphs,
+# a minimum), "stall" (the fused first call at a new shape over its repeat, seconds, every --new-shapes row), "cold"
+# (the first fused generate on an empty Triton cache, seconds), "warm" (the first fused generate on a warm cache over
+# its repeat, seconds), "long/floor" (fused decode at a `key`-token context over its floor).
+ISSUE_TARGETS = (
+    ("batch-8 decode within 1.25x the weight-read floor", "4B", "8", 1.25, "decode/floor"),
+    ("batch-8 decode within 1.25x the weight-read floor", "9B", "8", 1.25, "decode/floor"),
+    ("batch-8 decode within 2x the weight-read floor", "0.8B", "8", 2.0, "decode/floor"),
+    ("batch-1 decode within 1.5x the weight-read floor", "0.8B", "1", 1.5, "decode/floor"),
+    ("forward T=2048 within 1.35x its floor", "4B", "2048", 1.35, "forward/floor"),
+    ("forward T=128 within 1.6x its floor", "4B", "128", 1.6, "forward/floor"),
+    ("forward T=2048 at least 2x stock", "9B", "2048", 2.0, "forward/stock"),
+    ("a new shape at most 2 s over its repeat", "0.8B", None, 2.0, "stall"),
+    ("a new shape at most 2 s over its repeat", "4B", None, 2.0, "stall"),
+    ("a new shape at most 2 s over its repeat", "9B", None, 2.0, "stall"),
+    ("cold machine: first generate within 15 s", "4B", None, 15.0, "cold"),
+    ("warm Triton cache: first generate within 1 s of a repeat", "4B", None, 1.0, "warm"),
+    ("decode at a 32k context within 1.4x its floor", "4B", "32768", 1.4, "long/floor"),
+    ("decode at a 32k context within 1.4x its floor", "9B", "32768", 1.4, "long/floor"),
+)
+
+
+def _target_readings(r: dict, key, kind: str) -> list[tuple[str, float]]:
+    """(label, value) of each row of model results `r` that a target of `kind` reads ([] where the run has none)."""
+    floors = r.get("floors") or {}
+    if kind == "decode/floor":
+        d = r.get("decode", {}).get(key)
+        return [(f"batch {key}", d["fused"]["ms_per_token"] / floors["decode_ms"])] if d and floors else []
+    if kind in ("forward/floor", "forward/stock"):
+        f = r.get("forward", {}).get("fused", {}).get(key)
+        if f is None:
+            return []
+        if kind == "forward/stock":
+            return [(f"T={key}", r["forward"]["stock"][key]["median"] / f["median"])]
+        floor = floors.get("forward_ms", {}).get(key)
+        return [(f"T={key}", f["median"] / floor)] if floor else []
+    if kind == "stall":
+        return [(shape, d["fused"]["stall_s"]) for shape, d in r.get("new_shapes", {}).items()]
+    if kind in ("cold", "warm"):
+        row = r.get("cold_start", {}).get("fused")
+        if row is None:
+            return []
+        return [("cold", row["cold"]["first_s"])] if kind == "cold" else \
+            [("warm", row["warm"]["first_s"] - row["warm"]["repeat_s"])]
+    d = r.get("long_context", {}).get(key)  # long/floor
+    if not d or "oom" in d["fused"] or not d.get("floor"):
+        return []
+    return [(f"{key} tokens", d["fused"]["decode_ms_per_token"] / d["floor"]["decode_ms"])]
+
+
+def targets_markdown(results: dict) -> list[str]:
+    """The issue's targets (`ISSUE_TARGETS`) that this run measured, each row met or missed and by how much."""
+    rows = []
+    for what, shape, key, limit, kind in ISSUE_TARGETS:
+        r = results["models"].get(shape)
+        if r is None:
+            continue
+        for label, value in _target_readings(r, key, kind):
+            at_least = kind == "forward/stock"
+            met = value >= limit if at_least else value <= limit
+            unit = " s" if kind in ("stall", "cold", "warm") else "x"
+            miss = "" if met else (f" (by {limit - value:.2f}{unit})" if at_least else f" (by {value - limit:.2f}{unit})")
+            rows.append(f"| {what} | {shape} | {label} | {value:.2f}{unit} | {'at least' if at_least else 'at most'} "
+                        f"{limit:g}{unit} | {'met' if met else 'missed' + miss} |")
+    if not rows:
+        return []
+    return ["", "Against the latency issue's targets (this run's rows):", "",
+            "| target | model | row | measured | target | |", "|---|---|---|---|---|---|", *rows]
 
 
 def _stall_markdown(results: dict) -> list[str]:

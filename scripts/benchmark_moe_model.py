@@ -198,6 +198,49 @@ def json_table(profile: dict) -> str:
     return "\n".join(lines)
 
 
+# The MoE issue's targets at the 35B-A3B shape (issue 25): (what, figure, limit, at least?)
+MOE_TARGETS = (
+    ("batch-1 decode within 1.6x its floor", "decode/floor:1", 1.6, False),
+    ("batch-1 decode at least 20x stock's fastest experts implementation", "decode/stock:1", 20.0, True),
+    ("batch-8 decode within 2x its floor", "decode/floor:8", 2.0, False),
+    ("prefill within 2x the active-FLOP floor", "prefill/flops", 2.0, False),
+)
+
+
+def _moe_reading(results: dict, figure: str) -> float | None:
+    """The fused variant's figure for a `MOE_TARGETS` entry, or None where the run lacks a row (or a row failed)."""
+    fused, floors = results["variants"].get("fused", {}), results.get("floors") or {}
+    kind, _, b = figure.partition(":")
+    if kind == "prefill/flops":
+        v = fused.get("prefill_ms")
+        return v / floors["prefill_matmul_ms"] if isinstance(v, float) and floors else None
+    v = fused.get("decode_ms", {}).get(b)
+    if not isinstance(v, float):
+        return None
+    if kind == "decode/floor":
+        return v / floors["decode_ms"][b] if b in floors.get("decode_ms", {}) else None
+    stock = [r["decode_ms"].get(b) for name, r in results["variants"].items() if name.startswith("stock-")]
+    stock = [x for x in stock if isinstance(x, float)]
+    return min(stock) / v if stock else None
+
+
+def moe_targets_markdown(results: dict) -> list[str]:
+    """`MOE_TARGETS` against this run (35B-A3B runs only: the targets are that shape's), met or missed by how much."""
+    if results["meta"]["shape"] != "35B-A3B":
+        return []
+    rows = []
+    for what, figure, limit, at_least in MOE_TARGETS:
+        v = _moe_reading(results, figure)
+        if v is None:
+            continue
+        met = v >= limit if at_least else v <= limit
+        miss = "" if met else f" (by {abs(v - limit):.2f}x)"
+        rows.append(f"| {what} | {v:.2f}x | {'at least' if at_least else 'at most'} {limit:g}x | "
+                    f"{'met' if met else 'missed' + miss} |")
+    return ["", "Against the MoE issue's targets:", "", "| target | measured | target | |", "|---|---|---|---|",
+            *rows] if rows else []
+
+
 def table(results: dict) -> str:
     meta, floors = results["meta"], results["floors"]
     batches = [str(b) for b in meta["batches"]]
@@ -228,6 +271,7 @@ def table(results: dict) -> str:
     lines += ["", "Experts hit per MoE layer (mean): " + ", ".join(f"batch {b}: {results['experts_hit'][b]:.1f}"
                                                                   for b in batches)
               + f", prefill of {meta['prefill']} tokens: {results['experts_hit']['prefill']:.1f}"]
+    lines += moe_targets_markdown(results)
     return "\n".join(lines) + "\n"
 
 
