@@ -880,6 +880,13 @@ def _target_readings(r: dict, key, kind: str) -> list[tuple[str, float]]:
     return [(f"{key} tokens", d["fused"]["decode_ms_per_token"] / d["floor"]["decode_ms"])]
 
 
+def target_cells(value: float, limit: float, at_least: bool, unit: str = "x") -> str:
+    """`measured | target | verdict` cells of a targets table: met, or missed and by how much."""
+    met = value >= limit if at_least else value <= limit
+    verdict = "met" if met else f"missed (by {abs(value - limit):.2f}{unit})"
+    return f"{value:.2f}{unit} | {'at least' if at_least else 'at most'} {limit:g}{unit} | {verdict}"
+
+
 def targets_markdown(results: dict) -> list[str]:
     """The issue's targets (`ISSUE_TARGETS`) that this run measured, each row met or missed and by how much."""
     rows = []
@@ -887,13 +894,9 @@ def targets_markdown(results: dict) -> list[str]:
         r = results["models"].get(shape)
         if r is None:
             continue
+        unit = " s" if kind in ("stall", "cold", "warm") else "x"
         for label, value in _target_readings(r, key, kind):
-            at_least = kind == "forward/stock"
-            met = value >= limit if at_least else value <= limit
-            unit = " s" if kind in ("stall", "cold", "warm") else "x"
-            miss = "" if met else (f" (by {limit - value:.2f}{unit})" if at_least else f" (by {value - limit:.2f}{unit})")
-            rows.append(f"| {what} | {shape} | {label} | {value:.2f}{unit} | {'at least' if at_least else 'at most'} "
-                        f"{limit:g}{unit} | {'met' if met else 'missed' + miss} |")
+            rows.append(f"| {what} | {shape} | {label} | {target_cells(value, limit, kind == 'forward/stock', unit)} |")
     if not rows:
         return []
     return ["", "Against the latency issue's targets (this run's rows):", "",
