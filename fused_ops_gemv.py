@@ -728,20 +728,21 @@ def _two_row_warmups(x, w, gate_up, configs) -> list:
 
 
 def _recorded_warmups(x, w, gate_up, conv, choice) -> list:
-    """For a choice read from a record at one row: the warm-up launches of that kernel and of the choice recorded
-    for 2 rows of the same shape (`_ahead_of_more_rows`' reason, without timing), compiled together on the pool;
-    [] at more rows. On a warm Triton cache these are loads from disk."""
+    """For a choice read from a record at one row: the warm-up launches of that kernel and of both `skinny_gemm`
+    candidates for 2-16 rows of the same shape (`_ahead_of_more_rows`, as a timed choice gets), compiled together on
+    the pool; [] at more rows. On a warm Triton cache these are loads from disk.
+
+    Both candidates, not the 2-row choice alone: the record and the shipped table choose per row count, and 9 of the
+    31 shapes shipped for the H200 take a skinny config at some count in 3-16 that is not their 2-row choice (the LM
+    heads, 4B's down), which then compiled at that batch size (the CUDA test of new shapes caught it on a record its
+    own earlier run had left). Every choice at 2-16 rows is one of the two."""
     if x.shape[0] > _GEMV_TIMED_MAX_M:
         return []
     warmups = []
     if isinstance(choice, GemvConfig):
         y = torch.empty(x.shape[0], w.shape[0] // 2 if gate_up else w.shape[0], dtype=x.dtype, device=x.device)
         warmups.append(functools.partial(_gemv_launch, x, w, y, gate_up, choice, conv, True))
-    two = (2, *_key_tail(x, w, gate_up))
-    more = recorded_choice(_record_path(x.device), two) or shipped_choice(two)
-    if isinstance(more, SkinnyConfig):
-        warmups += _two_row_warmups(x, w, gate_up, [more])
-    return warmups
+    return warmups + _ahead_of_more_rows(x, w, gate_up)
 
 
 def _key_tail(x, w, gate_up) -> tuple:

@@ -12,12 +12,14 @@ Shape alphabet: B batch, T tokens, H attention heads, KV key/value heads, D head
 I intermediate size, HV linear-attention value heads, K / V linear key / value head dims.
 Every op takes fp32 / bf16 / fp16, computes in fp32 and rounds to the input dtype exactly where stock rounds.
 
-Also here: the graph-capture helpers `reset_rng_after_failed_capture` / `capture_error`, used by the GEMV's timing
-autotuner (`fused_ops_gemv`) and by the model's CUDA-graph code (through the `fused_ops` facade).
+Also here: Triton's hash of its own install, computed on a thread from import (`warm_triton_key`), and the
+graph-capture helpers `reset_rng_after_failed_capture` / `capture_error`, used by the GEMV's timing autotuner
+(`fused_ops_gemv`) and by the model's CUDA-graph code (through the `fused_ops` facade).
 """
 
 import contextlib
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -131,6 +133,41 @@ def triton_cache_holds(kernel_name: str) -> bool | None:
         return next(Path(root).glob(f"*/{kernel_name}.json"), None) is not None
     except OSError:
         return None
+
+
+_triton_key_thread: threading.Thread | None = None
+
+
+def warm_triton_key() -> threading.Thread | None:
+    """Compute Triton's hash of its own install (`triton.runtime.cache.triton_key`: part of every kernel's cache key,
+    computed once per process at its first kernel launch and kept) on a daemon thread, once per process; returns
+    that thread, or None where this Triton has no such function (the first launch then computes it, as it always
+    did). Started when this module is imported on a machine that can run the kernels (below).
+
+    Why: the hash reads and hashes libtriton (hundreds of MB). It was 0.39 s of the 1.08 s by which the first 4B
+    `generate` of a process with Triton's cache warm exceeded its repeat (cProfile, H200, 2026-12-02). Started at
+    import, it runs while the model is built and its weights load; file reads and hashlib release the GIL. A launch
+    that needs the key before the thread is done computes it itself (the function's cache holds no lock), which is
+    what it did before."""
+    global _triton_key_thread
+    if _triton_key_thread is not None or not HAS_TRITON:
+        return _triton_key_thread
+    key = getattr(getattr(getattr(triton, "runtime", None), "cache", None), "triton_key", None)
+    if not callable(key):
+        return None
+
+    def run():
+        with contextlib.suppress(Exception):  # a failure here is met again, and raised, by the first launch
+            key()
+
+    _triton_key_thread = threading.Thread(target=run, name="qwen3_5-fused-triton-key", daemon=True)
+    _triton_key_thread.start()
+    return _triton_key_thread
+
+
+with contextlib.suppress(Exception):  # nothing here may fail at import (see the module docstring)
+    if kernels_available() is None:
+        warm_triton_key()
 
 
 def _device_guard(t: torch.Tensor):

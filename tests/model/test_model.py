@@ -360,6 +360,52 @@ def test_a_cold_triton_cache_is_announced_once(tmp_path, monkeypatch):
     assert plan_mod._cold_cache_checked is False
 
 
+_TRITON_KEY_PROBE = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import fla, transformers.models.qwen3_5.modeling_qwen3_5  # imported on what this machine is (CPU), as usual
+from scripts.common import import_module
+# a machine that can run the kernels (as far as the import can tell), or one without a GPU, whatever this one is
+torch.cuda.is_available = (lambda: True) if sys.argv[2] == "cuda" else (lambda: False)
+runtime = import_module("fused_ops_runtime")
+thread = runtime._triton_key_thread
+if thread is not None:
+    thread.join(120)
+    import triton
+    print("THREAD", thread.daemon, thread.is_alive(), triton.runtime.cache.triton_key.cache_info().currsize)
+else:
+    print("NONE")
+"""
+
+
+def test_importing_where_the_kernels_run_hashes_triton_on_a_thread(monkeypatch):
+    """Importing the fused ops on a machine that can run the kernels starts Triton's hash of its own install
+    (`triton_key`, which the process's first kernel launch computes otherwise: 0.39 s of a 4B first `generate` with
+    Triton's cache warm) on a daemon thread, once a process, so it runs while the model is built and loaded; where
+    the kernels cannot run (no GPU) nothing starts, and a Triton without the function gets nothing."""
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("fla")
+    import subprocess
+    import sys
+
+    from scripts.common import REPO, import_module
+
+    for machine, expected in (("cpu", "NONE"), ("cuda", "THREAD True False 1")):
+        proc = subprocess.run([sys.executable, "-c", _TRITON_KEY_PROBE, str(REPO), machine], capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip().splitlines()[-1] == expected, (machine, proc.stdout, proc.stderr[-2000:])
+    # the function itself: once a process, and nothing where Triton lacks it
+    runtime = import_module("fused_ops_runtime")
+    monkeypatch.setattr(runtime, "_triton_key_thread", None)
+    thread = runtime.warm_triton_key()
+    assert thread is not None and runtime.warm_triton_key() is thread
+    thread.join(120)
+    monkeypatch.setattr(runtime, "_triton_key_thread", None)
+    monkeypatch.delattr(triton.runtime.cache, "triton_key")
+    assert runtime.warm_triton_key() is None and runtime._triton_key_thread is None
+
+
 def test_describe_reports_paths():
     _, fused = stock_and_fused_lm()
     d = fused.describe()

@@ -248,3 +248,20 @@ def test_the_skinny_pair_is_compiled_ahead_only_from_a_one_row_16_bit_timing():
     assert fused_ops_gemv._ahead_of_more_rows(wide, w.half(), True)[0].args[0].stride(0) == 48
     assert fused_ops_gemv._ahead_of_more_rows(torch.empty(1, 32), w.float(), False) == []
     assert fused_ops_gemv._ahead_of_more_rows(torch.empty(2, 32, dtype=torch.bfloat16), w, False) == []
+
+
+def test_a_recorded_one_row_choice_compiles_both_skinny_candidates_with_it():
+    """A one-row choice read from the record or the shipped table compiles, in the same pool, the kernel it names
+    and both skinny candidates for 2-16 rows, as a timed choice does (`_ahead_of_more_rows`): the record and the
+    table choose per row count, so a later batch size may take either. Nothing at more rows; no skinny kernel for
+    float32."""
+    one = fused_ops_gemv._GEMV_CONFIGS[0]
+    w = torch.empty(64, 32, dtype=torch.bfloat16)
+    warm = fused_ops_gemv._recorded_warmups(torch.empty(1, 32, dtype=torch.bfloat16), w, False, None, one)
+    assert [p.args[4] for p in warm] == [one, *fused_ops_gemv._skinny_candidates(False)]
+    assert [p.func for p in warm] == [fused_ops_gemv._gemv_launch] + [fused_ops_gemv._skinny_launch] * 2
+    cublas = fused_ops_gemv._recorded_warmups(torch.empty(1, 32, dtype=torch.bfloat16), w, True, None, "cublas")
+    assert [p.args[4] for p in cublas] == list(fused_ops_gemv._skinny_candidates(True))
+    assert fused_ops_gemv._recorded_warmups(torch.empty(2, 32, dtype=torch.bfloat16), w, False, None, one) == []
+    assert [p.args[4] for p in fused_ops_gemv._recorded_warmups(torch.empty(1, 32), w.float(), False, None, one)] \
+        == [one]

@@ -217,8 +217,8 @@ def test_record_tuning_arguments():
 
 @pytest.mark.cuda
 def test_a_shipped_choice_is_run_without_timing(card, tmp_path, monkeypatch):
-    """On the GPU, with no record on disk: a shape the table names runs the shipped kernel, untimed, and its
-    2-row choice is compiled in the same pool."""
+    """On the GPU, with no record on disk: a shape the table names runs the shipped kernel, untimed, and both
+    skinny candidates for 2-16 rows (its 2-row choice among them) are compiled in the same pool."""
     import triton
 
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
@@ -243,7 +243,9 @@ def test_a_shipped_choice_is_run_without_timing(card, tmp_path, monkeypatch):
     monkeypatch.setattr(fused_ops_gemv, "compile_in_parallel", lambda w_: (pooled.extend(w_), real_compile(w_)))
     y = fused_ops.small_linear(x, w)
     assert fused_ops_gemv._small_linear_choice[key1] == one
-    assert [p.args[4] for p in pooled] == [one, two]  # the 1-row kernel and the 2-row pick, compiled together
+    # the 1-row kernel and the 2-16 row candidates (the 2-row pick among them), compiled together
+    assert [p.args[4] for p in pooled] == [one, *fused_ops_gemv._skinny_candidates(False)]
+    assert two in fused_ops_gemv._skinny_candidates(False)
     torch.testing.assert_close(y, fused_ops.small_linear_ref(x, w), rtol=2e-2, atol=2e-2)
     x2 = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
     fused_ops.small_linear(x2, w)
