@@ -366,6 +366,7 @@ class SkinnyConfig(NamedTuple):
 
 
 _SKINNY_MAX_M = 32
+_SKINNY_M16_MAX_M = 16  # up to this many rows one BLOCK_M = 16 kernel; 17-32 rows take BLOCK_M = 32 (a compile apart)
 # The configs `small_linear` times against cuBLAS, two a kind of linear (`_skinny_candidates`), from a sweep of 13 over
 # the 0.8B / 4B / 9B decode linears at 2, 8, 16 and 32 rows (`scripts/benchmark_gemv.py --kernels skinny`, H200,
 # 2026-12-02): (16, 256, 2, 4) was the fastest on the narrow matrices (out / down projections, 0.8B's inputs),
@@ -473,7 +474,7 @@ def _skinny_launch(x, w, y, gate_up: bool, cfg: SkinnyConfig, warmup: bool = Fal
     return launch(
         x, w, y, M, N, K, x.stride(0), y.stride(0),
         SWIGLU=gate_up, EVEN_K=K % BLOCK_K == 0, DOT_F32=_dot_in_f32(x),
-        PRECISION=_dot_precision(x.dtype), BLOCK_M=16 if M <= 16 else 32, BLOCK_N=cfg.block_n,
+        PRECISION=_dot_precision(x.dtype), BLOCK_M=16 if M <= _SKINNY_M16_MAX_M else 32, BLOCK_N=cfg.block_n,
         BLOCK_K=BLOCK_K, PDL=pdl, LATE_TRIGGER=_gemv_late_trigger(w, pdl), num_warps=cfg.warps,
         num_stages=cfg.stages, **_pdl_launch(pdl),
     )
@@ -679,7 +680,7 @@ def record_choice(path: Path | None, key: tuple, choice) -> None:
 def _row_tier(rows: int) -> str:
     """The row counts that share `small_linear`'s compiled candidates: one row (the `gemv` configs), 2-16 and 17-32
     (`skinny_gemm` at BLOCK_M 16 / 32; the row count is a run-time value of the kernel)."""
-    return "1" if rows <= _GEMV_TIMED_MAX_M else "2-16" if rows <= 16 else "17-32"
+    return "1" if rows <= _GEMV_TIMED_MAX_M else "2-16" if rows <= _SKINNY_M16_MAX_M else "17-32"
 
 
 def _announce_timing(rows: int, device: torch.device, path: Path | None) -> None:
@@ -728,21 +729,36 @@ def _two_row_warmups(x, w, gate_up, configs) -> list:
 
 
 def _recorded_warmups(x, w, gate_up, conv, choice) -> list:
-    """For a choice read from a record at one row: the warm-up launches of that kernel and of both `skinny_gemm`
-    candidates for 2-16 rows of the same shape (`_ahead_of_more_rows`, as a timed choice gets), compiled together on
-    the pool; [] at more rows. On a warm Triton cache these are loads from disk.
-
-    Both candidates, not the 2-row choice alone: the record and the shipped table choose per row count, and 9 of the
-    31 shapes shipped for the H200 take a skinny config at some count in 3-16 that is not their 2-row choice (the LM
-    heads, 4B's down), which then compiled at that batch size (the CUDA test of new shapes caught it on a record its
-    own earlier run had left). Every choice at 2-16 rows is one of the two."""
+    """For a choice read from a record at one row: the warm-up launches of that kernel and of the `skinny_gemm`
+    configs a later batch of 2-16 rows of the same shape may run (`_more_rows_configs`), compiled together on the
+    pool (`_ahead_of_more_rows`' reason, without timing); [] at more rows. On a warm Triton cache these are loads from
+    disk."""
     if x.shape[0] > _GEMV_TIMED_MAX_M:
         return []
     warmups = []
     if isinstance(choice, GemvConfig):
         y = torch.empty(x.shape[0], w.shape[0] // 2 if gate_up else w.shape[0], dtype=x.dtype, device=x.device)
         warmups.append(functools.partial(_gemv_launch, x, w, y, gate_up, choice, conv, True))
-    return warmups + _ahead_of_more_rows(x, w, gate_up)
+    if x.dtype in (torch.bfloat16, torch.float16):
+        warmups += _two_row_warmups(x, w, gate_up, _more_rows_configs(x, w, gate_up))
+    return warmups
+
+
+def _more_rows_configs(x, w, gate_up) -> tuple:
+    """The `skinny_gemm` configs that 2-16 rows of x's shape may run: those the card's record or the shipped table
+    chose at any of these row counts, or both candidates where some count has no choice yet (it will be timed).
+
+    Every count, not the 2-row choice alone: the choices differ by row count (9 of the 31 shapes shipped for the H200
+    take a skinny config at some count in 3-16 that is not their 2-row choice: the LM heads, 4B's down), and the
+    CUDA test of new shapes saw `_skinny_gemm_kernel` compile at a later batch size on a record its own earlier run
+    had left. Not both candidates always: with the shipped table every count is known, so a cold machine compiles
+    only the configs its batches can run (at 4B the three of the 2-row picks)."""
+    path, tail = _record_path(x.device), _key_tail(x, w, gate_up)
+    known = [recorded_choice(path, (m, *tail)) or shipped_choice((m, *tail))
+             for m in range(_GEMV_TIMED_MAX_M + 1, _SKINNY_M16_MAX_M + 1)]
+    if None in known:
+        return _skinny_candidates(gate_up)
+    return tuple(dict.fromkeys(c for c in known if isinstance(c, SkinnyConfig)))
 
 
 def _key_tail(x, w, gate_up) -> tuple:

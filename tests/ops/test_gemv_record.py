@@ -250,18 +250,35 @@ def test_the_skinny_pair_is_compiled_ahead_only_from_a_one_row_16_bit_timing():
     assert fused_ops_gemv._ahead_of_more_rows(torch.empty(2, 32, dtype=torch.bfloat16), w, False) == []
 
 
-def test_a_recorded_one_row_choice_compiles_both_skinny_candidates_with_it():
+def test_a_recorded_one_row_choice_compiles_the_skinny_configs_of_2_to_16_rows_with_it(monkeypatch):
     """A one-row choice read from the record or the shipped table compiles, in the same pool, the kernel it names
-    and both skinny candidates for 2-16 rows, as a timed choice does (`_ahead_of_more_rows`): the record and the
-    table choose per row count, so a later batch size may take either. Nothing at more rows; no skinny kernel for
-    float32."""
+    and every skinny config that 2-16 rows of the shape may run: the ones chosen at any of those counts (they differ
+    by count), or both candidates while some count has no choice (it will be timed). Nothing at more rows; no skinny
+    kernel for float32."""
     one = fused_ops_gemv._GEMV_CONFIGS[0]
+    a, b = fused_ops_gemv._skinny_candidates(False)
     w = torch.empty(64, 32, dtype=torch.bfloat16)
-    warm = fused_ops_gemv._recorded_warmups(torch.empty(1, 32, dtype=torch.bfloat16), w, False, None, one)
-    assert [p.args[4] for p in warm] == [one, *fused_ops_gemv._skinny_candidates(False)]
-    assert [p.func for p in warm] == [fused_ops_gemv._gemv_launch] + [fused_ops_gemv._skinny_launch] * 2
-    cublas = fused_ops_gemv._recorded_warmups(torch.empty(1, 32, dtype=torch.bfloat16), w, True, None, "cublas")
-    assert [p.args[4] for p in cublas] == list(fused_ops_gemv._skinny_candidates(True))
-    assert fused_ops_gemv._recorded_warmups(torch.empty(2, 32, dtype=torch.bfloat16), w, False, None, one) == []
-    assert [p.args[4] for p in fused_ops_gemv._recorded_warmups(torch.empty(1, 32), w.float(), False, None, one)] \
-        == [one]
+    x = torch.empty(1, 32, dtype=torch.bfloat16)
+    table = {}
+    monkeypatch.setattr(fused_ops_gemv, "_record_path", lambda device: None)
+    monkeypatch.setattr(fused_ops_gemv, "shipped_choice", lambda key: table.get(key[0]))
+
+    def pooled(gate_up=False, choice=one, x=x, w=w):
+        return [p.args[4] for p in fused_ops_gemv._recorded_warmups(x, w, gate_up, None, choice)]
+
+    assert pooled() == [one, a, b]  # nothing known at 2-16 rows: both candidates
+    assert pooled(True, "cublas") == list(fused_ops_gemv._skinny_candidates(True))
+    table.update({m: "cublas" for m in range(2, 17)})
+    table[2] = b
+    assert pooled() == [one, b]  # every count known: what they chose
+    table[9] = a
+    assert pooled() == [one, b, a]
+    del table[16]
+    assert pooled() == [one, a, b]
+    table.update({m: "cublas" for m in range(2, 17)})
+    assert pooled() == [one]
+    del table[16]
+    assert pooled(x=torch.empty(2, 32, dtype=torch.bfloat16)) == []
+    assert pooled(x=torch.empty(1, 32), w=w.float()) == [one]
+    part = fused_ops_gemv._recorded_warmups(x, w, False, None, one)[1]
+    assert part.func is fused_ops_gemv._skinny_launch and part.args[0].shape == (2, 32) and part.args[5] is True

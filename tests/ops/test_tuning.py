@@ -217,8 +217,9 @@ def test_record_tuning_arguments():
 
 @pytest.mark.cuda
 def test_a_shipped_choice_is_run_without_timing(card, tmp_path, monkeypatch):
-    """On the GPU, with no record on disk: a shape the table names runs the shipped kernel, untimed, and both
-    skinny candidates for 2-16 rows (its 2-row choice among them) are compiled in the same pool."""
+    """On the GPU, with no record on disk: a shape the table names runs the shipped kernel, untimed, and the skinny
+    configs 2-16 rows may run are compiled in the same pool: here both candidates (its 2-row choice among them),
+    since the table has no choice for 3-16 rows."""
     import triton
 
     monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
