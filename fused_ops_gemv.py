@@ -709,14 +709,15 @@ def _candidates(x: torch.Tensor, gate_up: bool) -> tuple:
 
 
 def _ahead_of_more_rows(x, w, gate_up) -> list:
-    """At one row, the warm-up launches of the `skinny_gemm` candidates for 2-16 rows of this shape (same
-    specialisation as the step's: x's row stride, 16-bit dtype), so they compile with the GEMV candidates in the
-    first step's pool and a later first step at 2-16 rows only times them. Why: compiled at that step instead, their
-    four compiles (2.14 s summed on the H200, 4B, empty Triton cache, 2026-12-02) took the first batch-2 call to a
-    2.59 s stall, past the 2 s target; in the one-row pool they overlap compiles that run anyway."""
+    """At one row, whether its choice is timed or read (record, shipped table), the warm-up launches of the
+    `skinny_gemm` configs that 2-16 rows of this shape may run (`_more_rows_configs`; same specialisation as the
+    step's: x's row stride, 16-bit dtype), so they compile with the one-row kernels in the first step's pool and a
+    later first step at 2-16 rows compiles nothing. Why: compiled at that step instead, the candidates' four compiles
+    (2.14 s summed on the H200, 4B, empty Triton cache, 2026-12-02) took the first batch-2 call to a 2.59 s stall,
+    past the 2 s target; in the one-row pool they overlap compiles that run anyway."""
     if x.shape[0] > _GEMV_TIMED_MAX_M or x.dtype not in (torch.bfloat16, torch.float16):
         return []
-    return _two_row_warmups(x, w, gate_up, _skinny_candidates(gate_up))
+    return _two_row_warmups(x, w, gate_up, _more_rows_configs(x, w, gate_up))
 
 
 def _two_row_warmups(x, w, gate_up, configs) -> list:
@@ -729,19 +730,15 @@ def _two_row_warmups(x, w, gate_up, configs) -> list:
 
 
 def _recorded_warmups(x, w, gate_up, conv, choice) -> list:
-    """For a choice read from a record at one row: the warm-up launches of that kernel and of the `skinny_gemm`
-    configs a later batch of 2-16 rows of the same shape may run (`_more_rows_configs`), compiled together on the
-    pool (`_ahead_of_more_rows`' reason, without timing); [] at more rows. On a warm Triton cache these are loads from
-    disk."""
+    """For a choice read from a record at one row: the warm-up launches of that kernel and `_ahead_of_more_rows`',
+    compiled together on the pool; [] at more rows. On a warm Triton cache these are loads from disk."""
     if x.shape[0] > _GEMV_TIMED_MAX_M:
         return []
     warmups = []
     if isinstance(choice, GemvConfig):
         y = torch.empty(x.shape[0], w.shape[0] // 2 if gate_up else w.shape[0], dtype=x.dtype, device=x.device)
         warmups.append(functools.partial(_gemv_launch, x, w, y, gate_up, choice, conv, True))
-    if x.dtype in (torch.bfloat16, torch.float16):
-        warmups += _two_row_warmups(x, w, gate_up, _more_rows_configs(x, w, gate_up))
-    return warmups
+    return warmups + _ahead_of_more_rows(x, w, gate_up)
 
 
 def _more_rows_configs(x, w, gate_up) -> tuple:
