@@ -492,10 +492,12 @@ def gated_delta_rule_step_ref(
 # and writes what `chunk_gated_delta_rule` reads, ready: contiguous, normalised q and k, v, beta in fp32 and a.
 # ---------------------------------------------------------------------------------------------------------------------
 
-# Tokens per program. Not measured on an H200 yet; the reasoning: a [64, 128] tile of one head is 8K fp32 values
-# (32 per thread at 8 warps) and gives the 4B shape at T=2048 2,080 programs; the W-1 tokens of halo each tile
-# re-reads are 5% of its loads.
-_PREP_BLOCK_T = 64
+# Tokens per program and warps. Measured on the H200 (2026-12-02, the 4B layer, bf16, each launch shape in a CUDA
+# graph; docs/DESIGN.md): [32, 128] tiles on 4 warps took 3.9 / 35.6 / 513 us at T = 128 / 2048 / 32768, the
+# [64, 128] tiles on 8 warps used before 4.4 / 40.9 / 582 us (16 to 128 tokens on 2 to 16 warps tried). A prompt
+# of at most 16 tokens takes a 16-token tile: two tile sizes in all, so no third compile at a new prompt length.
+_PREP_BLOCK_T = 32
+_PREP_WARPS = 4
 
 if HAS_TRITON:
 
@@ -631,7 +633,7 @@ def deltanet_prep(
                 eps,
                 HK=num_k_heads, DK=head_k_dim, HV=HV, DV=head_v_dim, W=weight.shape[1], HAS_BIAS=bias is not None,
                 BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_HV=triton.next_power_of_2(HV),
-                num_warps=min(8, _num_warps(BLOCK_T * BLOCK_D)),
+                num_warps=min(_PREP_WARPS, _num_warps(BLOCK_T * BLOCK_D)),
             )
     return q, k, v, beta, g
 
