@@ -443,27 +443,32 @@ def sigmoid_gate_mul_ref(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 # programs (flash-decoding), each program serving all query heads of one KV head with two tensor-core dots per block
 # of keys, and a second launch merges the splits and applies `o * sigmoid(gate)`. Keys after `slot` (the newest
 # key) are not read, so a long preallocated cache costs only the keys written so far.
+#
+# The splits take the written blocks of keys round robin (split s: blocks s, s + S, s + 2S, ...), not one contiguous
+# range each: the cache is a power-of-two bucket, and a 32,832-key context in its 65,536-key bucket left the ranges
+# of 15 of 32 splits empty, so half the programs did all the work (4B, 32k context, H200, 2026-12-02: 4.04 ms a token
+# against 2.60 at a short context; docs/DESIGN.md).
 # ---------------------------------------------------------------------------------------------------------------------
 
 _DA_BLOCK_L = 32  # keys per iteration (tl.dot needs >= 16)
-_DA_MIN_SPLIT = 64  # keys per program, at least; more for long caches so that the merge reads at most _DA_MAX_SPLITS
-_DA_MAX_SPLITS = 32
+_DA_MIN_SPLIT = 64  # a cache of L keys takes at most L / _DA_MIN_SPLIT splits (a short cache: few partials to merge)
+_DA_MAX_SPLITS = 64  # splits per row and KV head at most: 256 programs at batch 1 with 4 KV heads (132 SMs)
 # The running max of a split that has seen no valid key is -1e30 (written inline in the kernels), not -inf: finite,
 # so its weight exp(-1e30 - m) in the merge is 0 rather than NaN.
 
 if HAS_TRITON:
 
-    @triton.jit(do_not_specialize=["stride_valid_b", "L", "S", "SPLIT"])
+    @triton.jit(do_not_specialize=["stride_valid_b", "L", "S"])
     def _decode_attention_split_kernel(
         q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, m_ptr, l_ptr, acc_ptr,
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_k_l, stride_v_b, stride_v_h, stride_v_l,
-        stride_valid_b, L, S, scale, SPLIT,
+        stride_valid_b, L, S, scale,
         H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-        MIN_SPLIT: tl.constexpr, BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
         PDL: tl.constexpr,
     ):
         _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
-        # program (row b, KV head, split s): query heads [kv * G, (kv + 1) * G) against keys [s * SPLIT, ...)
+        # program (row b, KV head, split s): query heads [kv * G, (kv + 1) * G) against key blocks s, s + S, ...
         i_b = tl.program_id(0) // KV
         i_kv = tl.program_id(0) % KV
         i_s = tl.program_id(1)
@@ -476,17 +481,15 @@ if HAS_TRITON:
         b_q = tl.load(q_ptr + i_b * stride_q_b + i_h[:, None] * stride_q_h + o_d[None, :],
                       mask=m_g[:, None] & m_d[None, :], other=0.0)  # [BG, BD]
         n_keys = tl.minimum(tl.load(slot_ptr) + 1, L)
-        # SPLIT is a run-time value (a longer cache compiles nothing new), a power of two >= MIN_SPLIT
-        start = tl.multiple_of(i_s * SPLIT, MIN_SPLIT)
-        end = tl.minimum(start + SPLIT, n_keys)
+        n_blocks = tl.cdiv(n_keys, BLOCK_L)
         b_m = tl.full([BLOCK_G], -1.0e30, tl.float32)
         b_l = tl.zeros([BLOCK_G], tl.float32)
         b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         p_k = k_ptr + i_b.to(tl.int64) * stride_k_b + i_kv * stride_k_h
         p_v = v_ptr + i_b.to(tl.int64) * stride_v_b + i_kv * stride_v_h
-        for l0 in range(start, end, BLOCK_L):
-            o_l = l0 + tl.arange(0, BLOCK_L)
-            m_l = o_l < end
+        for i_blk in range(i_s, n_blocks, S):  # S is a run-time value: a longer cache compiles nothing new
+            o_l = i_blk * BLOCK_L + tl.arange(0, BLOCK_L)
+            m_l = o_l < n_keys
             ok = tl.load(valid_ptr + i_b * stride_valid_b + o_l, mask=m_l, other=0) != 0
             m_kv = m_l[:, None] & m_d[None, :]
             b_k = tl.load(p_k + o_l[:, None] * stride_k_l + o_d[None, :], mask=m_kv, other=0.0)  # [BL, BD]
@@ -543,12 +546,10 @@ if HAS_TRITON:
         tl.store(y_ptr + i_b * (H * D) + i_h * D + o_d, _round_to(b_o * b_sg, dt).to(dt), mask=m_d)
 
 
-def _decode_attention_split(L: int) -> int:
-    """Keys per split program for a cache of L keys: _DA_MIN_SPLIT, doubled until at most _DA_MAX_SPLITS splits."""
-    split = _DA_MIN_SPLIT
-    while triton.cdiv(L, split) > _DA_MAX_SPLITS:
-        split *= 2
-    return split
+def _decode_attention_splits(L: int) -> int:
+    """Split programs per row and KV head for a cache of L keys: one per _DA_MIN_SPLIT keys of L, at most
+    _DA_MAX_SPLITS. The splits share the written key blocks round robin, whatever part of L is written."""
+    return max(1, min(_DA_MAX_SPLITS, triton.cdiv(L, _DA_MIN_SPLIT)))
 
 
 def decode_attention(
@@ -604,8 +605,7 @@ def decode_attention(
     y = torch.empty(B, H * D, dtype=q.dtype, device=q.device)
     if B == 0 or L == 0:
         return y
-    split = _decode_attention_split(L)
-    S = triton.cdiv(L, split)
+    S = _decode_attention_splits(L)
     m = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
@@ -615,9 +615,8 @@ def decode_attention(
         _decode_attention_split_kernel[(B * KV, S)](
             q, keys, values, valid, slot, m, l, acc,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-            values.stride(0), values.stride(1), values.stride(2), valid.stride(0), L, S, float(scale), split,
-            H=H, KV=KV, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // KV)), BLOCK_D=BLOCK_D,
-            MIN_SPLIT=_DA_MIN_SPLIT, BLOCK_L=_DA_BLOCK_L,
+            values.stride(0), values.stride(1), values.stride(2), valid.stride(0), L, S, float(scale),
+            H=H, KV=KV, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // KV)), BLOCK_D=BLOCK_D, BLOCK_L=_DA_BLOCK_L,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST=q.device.type == "cpu", num_warps=4, PDL=pdl, **_pdl_launch(pdl),
         )

@@ -72,13 +72,14 @@ def test_decode_attention_cpu(dtype, B, H, KV, D, L, slot):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_decode_attention_cpu_longer_splits(dtype, monkeypatch):
-    """Splits longer than the minimum, as a cache of more than `_DA_MAX_SPLITS` x `_DA_MIN_SPLIT` keys takes them,
-    at a size the interpreter runs quickly: the cap lowered to 4 splits, so 300 keys take 3 splits of 128 (the real
-    cap needs 2,049 keys; the CUDA tests run 2,048 and 4,096)."""
-    monkeypatch.setattr(fused_ops_attention, "_DA_MAX_SPLITS", 4)
-    assert fused_ops_attention._decode_attention_split(300) == 128
-    check("cpu", dtype, 2, 4, 2, 16, 300, 290)
+@pytest.mark.parametrize("L, slot", [(300, 290), (1024, 150)], ids=["full", "bucket-mostly-empty"])
+def test_decode_attention_cpu_round_robin_splits(dtype, L, slot, monkeypatch):
+    """More key blocks than splits, as a long cache has them, at a size the interpreter runs quickly: the cap lowered
+    to 2 splits, so each split takes every other block of 32 keys; also with most of the cache not written yet (a
+    short context in a large bucket), where contiguous ranges would have left splits without keys."""
+    monkeypatch.setattr(fused_ops_attention, "_DA_MAX_SPLITS", 2)
+    assert fused_ops_attention._decode_attention_splits(L) == 2
+    check("cpu", dtype, 2, 4, 2, 16, L, slot)
 
 
 @needs_interpreter
@@ -131,12 +132,11 @@ for dt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
     compile_(fused_ops_attention._decode_attention_split_kernel,
              dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", valid_ptr="*i1", slot_ptr="*i64", m_ptr="*fp32",
                   l_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-             dict(H=16, KV=4, D=256, BLOCK_G=16, BLOCK_D=256, MIN_SPLIT=64, BLOCK_L=32, DOT_PRECISION=prec,
-                  UPCAST=False),
+             dict(H=16, KV=4, D=256, BLOCK_G=16, BLOCK_D=256, BLOCK_L=32, DOT_PRECISION=prec, UPCAST=False),
              4)
     compile_(fused_ops_attention._decode_attention_merge_kernel,
              dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", gate_ptr=f"*{dt}", y_ptr=f"*{dt}"),
-             dict(H=16, D=256, BLOCK_S=32, BLOCK_D=256), 16)
+             dict(H=16, D=256, BLOCK_S=64, BLOCK_D=256), 16)
 """
 
 
@@ -144,11 +144,10 @@ def test_decode_attention_compiles_for_sm90():
     assert compile_for_sm90(_SM90_CALLS) == 4
 
 
-def test_split_sizes():
-    assert fused_ops_attention._decode_attention_split(1) == 64
-    assert fused_ops_attention._decode_attention_split(2048) == 64  # 32 splits
-    assert fused_ops_attention._decode_attention_split(2049) == 128
-    assert fused_ops_attention._decode_attention_split(32768) == 1024
+def test_split_counts():
+    """One split per 64 keys of the cache's length, 64 at most, whatever part of it is written."""
+    splits = fused_ops_attention._decode_attention_splits
+    assert [splits(L) for L in (1, 64, 65, 256, 4096, 4097, 65536)] == [1, 1, 2, 4, 64, 64, 64]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -159,8 +158,8 @@ def test_split_sizes():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("H, KV", [(8, 2), (16, 4), (24, 4)], ids=["0.8B", "4B-9B", "27B"])
-@pytest.mark.parametrize("L, slot", [(1, 0), (8, 6), (256, 128), (2048, 2047), (4096, 3000)],
-                         ids=["L1", "L8", "L256", "L2048", "L4096"])
+@pytest.mark.parametrize("L, slot", [(1, 0), (8, 6), (256, 128), (2048, 2047), (4096, 3000), (16384, 8300)],
+                         ids=["L1", "L8", "L256", "L2048", "L4096", "L16384-half-written"])
 @pytest.mark.parametrize("B", [1, 3])
 def test_decode_attention_cuda(dtype, H, KV, L, slot, B):
     check("cuda", dtype, B, H, KV, 256, L, slot)
@@ -168,8 +167,8 @@ def test_decode_attention_cuda(dtype, H, KV, L, slot, B):
 
 @pytest.mark.cuda
 def test_a_longer_cache_or_another_batch_compiles_nothing_new():
-    """The split length and the split count are run-time values: after one call, longer caches (more keys per
-    split) and other batch sizes run the kernels already compiled, and stay correct."""
+    """The split count and the key blocks per split are run-time values: after one call, longer caches (more blocks
+    per split) and other batch sizes run the kernels already compiled, and stay correct."""
     check("cuda", torch.bfloat16, 1, 16, 4, 256, 256, 128)
     with TritonCompiles() as compiles:
         for B, L, slot in ((1, 4096, 3000), (3, 9000, 8999), (2, 20000, 17000)):
