@@ -505,16 +505,19 @@ def attention_flops(config, T: int) -> float:
     return kinds.count("full_attention") * 2.0 * T * T * config.num_attention_heads * config.head_dim
 
 
-def long_context(models: dict, lengths, new_tokens: int, device, vocab, ceil: dict, counts: dict, dtype) -> dict:
-    """Long prompts, batch 1, per variant (stock, fused) and prompt length L:
+def long_context(models: dict, lengths, new_tokens: int, device, vocab, ceil: dict, counts: dict, dtype,  # noqa: PLR0913
+                 repeats: int = 1) -> dict:
+    """Long prompts, batch 1, per variant (stock, fused) and prompt length L, `repeats` timed pairs after the first
+    call (medians; one pair's host hiccup of 30 ms moves a 64-token reading by 0.5 ms a token):
 
     - `first_call_s`: the first `generate` of `new_tokens` tokens at L (the decode cache bucket's first use, the
       eager prompt past the buckets, kernels first seen at this length) and `first_call_extra_s`, what it took beyond
       the timed repeat of the same call: the stall a user sees at a new context length;
     - `prefill_ms`: then a `generate` of one new token (the prompt's forward, the LM head, generate's set-up);
-      `prefill_peak_bytes`: what that call allocated on top of the resident models (GPU);
+      `prefill_peak_bytes`: what the first such call allocated on top of the resident models (GPU);
     - `decode_ms_per_token` at context L: (time of `new_tokens` tokens - time of 1) / (`new_tokens` - 1), both timed
-      after the first call, so no first-use cost lands in the decode figure;
+      after the first call, so no first-use cost lands in the decode figure; `decode_ms_range`: the fastest and
+      slowest repeat;
     - floors (GPU): prefill = (2 x body parameters x L + the causal attention FLOPs) / measured GEMM rate; decode =
       (weights + K/V at L + DeltaNet states) bytes / measured copy bandwidth.
 
@@ -539,26 +542,35 @@ def long_context(models: dict, lengths, new_tokens: int, device, vocab, ceil: di
                 t_first = time.perf_counter()
                 run(new_tokens)  # this length's first call, timed apart (see the docstring)
                 t_first = time.perf_counter() - t_first
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                    base = torch.cuda.memory_allocated(device)
-                t0 = time.perf_counter()
-                run(1)
-                t1 = time.perf_counter()
-                peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
-                run(new_tokens)
-                t2 = time.perf_counter()
+                prefills, per_tokens, calls, peak = [], [], [], None
+                for i in range(max(1, repeats)):
+                    if i == 0 and device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                        base = torch.cuda.memory_allocated(device)
+                    t0 = time.perf_counter()
+                    run(1)
+                    t1 = time.perf_counter()
+                    if i == 0 and device.type == "cuda":
+                        peak = torch.cuda.max_memory_allocated(device) - base
+                    run(new_tokens)
+                    t2 = time.perf_counter()
+                    prefills.append((t1 - t0) * 1e3)
+                    per_tokens.append(((t2 - t1) - (t1 - t0)) / (new_tokens - 1) * 1e3)
+                    calls.append(t2 - t1)
             except torch.cuda.OutOfMemoryError as e:
                 row[name] = {"oom": str(e).splitlines()[0][:200]}
                 log(f"long context L={L} {name}: out of memory")
                 torch.cuda.empty_cache()
                 continue
-            per_token = ((t2 - t1) - (t1 - t0)) / (new_tokens - 1) * 1e3
-            row[name] = {"prefill_ms": (t1 - t0) * 1e3, "decode_ms_per_token": per_token, "prefill_peak_bytes": peak,
-                         "first_call_s": t_first, "first_call_extra_s": t_first - (t2 - t1)}
-            log(f"long context L={L} {name}: prefill {(t1 - t0) * 1e3:.1f} ms, decode {per_token:.3f} ms/token"
+            per_token, prefill = statistics.median(per_tokens), statistics.median(prefills)
+            row[name] = {"prefill_ms": prefill, "decode_ms_per_token": per_token,
+                         "decode_ms_range": [min(per_tokens), max(per_tokens)], "prefill_peak_bytes": peak,
+                         "first_call_s": t_first, "first_call_extra_s": t_first - statistics.median(calls)}
+            log(f"long context L={L} {name}: prefill {prefill:.1f} ms, decode {per_token:.3f} ms/token"
+                + (f" (median of {len(per_tokens)}; {min(per_tokens):.3f} to {max(per_tokens):.3f})"
+                   if len(per_tokens) > 1 else "")
                 + (f", prefill peak +{peak / 2**30:.2f} GiB" if peak is not None else "")
-                + f", first call {t_first:.2f} s ({t_first - (t2 - t1):+.2f} s on the repeat)")
+                + f", first call {t_first:.2f} s ({row[name]['first_call_extra_s']:+.2f} s on the repeat)")
         out[str(L)] = row
     return out
 
@@ -931,7 +943,8 @@ def _stall_markdown(results: dict) -> list[str]:
     rows = [(n, L, d) for n, r in results["models"].items() for L, d in r.get("long_context", {}).items()]
     if rows:
         lines += ["", "Long prompts, batch 1 (prefill: a 1-token generate; peak: allocated on top of the resident "
-                  "models; decode at that context; all timed after a first call at that length, whose extra time is "
+                  "models; decode at that context; medians of the repeats, all timed after a first call at that length, "
+                  "whose extra time is "
                   "the stall column):", "",
                   "| model | prompt | stock prefill ms | fused prefill ms | prefill floor ms | fused / floor | "
                   "peak GiB stock / fused | stock decode ms/token | fused decode ms/token | decode floor ms | "
@@ -1027,7 +1040,7 @@ def main(argv=None):
     p.add_argument("--decode-batches", default="1,8")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--decode-repeats", type=int, default=3, help="timed generate pairs per decode variant (median)")
+    p.add_argument("--decode-repeats", type=int, default=3, help="timed generate pairs per decode variant and per long context (median)")
     p.add_argument("--pdl-ab", action="store_true",
                    help="also time the fused decode with programmatic dependent launch off (GPUs that have it)")
     p.add_argument("--profile", default="", help="comma list of lengths to profile (GPU): kernel counts, top kernels")
@@ -1107,7 +1120,7 @@ def main(argv=None):
             r["memory"] = peak_memory(models, max(lengths), device, vocab)
         if args.long_context:
             r["long_context"] = long_context(models, [int(x) for x in args.long_context.split(",")], args.new_tokens,
-                                             device, vocab, results["ceilings"], counts, dtype)
+                                             device, vocab, results["ceilings"], counts, dtype, args.decode_repeats)
         if args.profile and device.type == "cuda":
             r["profile"] = {T: profile_forward(models, int(T), device, vocab) for T in args.profile.split(",")}
         if args.profile_decode and device.type == "cuda":

@@ -249,6 +249,7 @@ def test_benchmark_decode_only_on_cpu(tmp_path, monkeypatch, capsys):
     long = tiny["long_context"]["40"]
     assert set(long) == {"stock", "fused"}  # no floor row without a GPU's measured ceilings
     assert all(r["prefill_ms"] > 0 and math.isfinite(r["decode_ms_per_token"]) for r in long.values())
+    assert all(r["decode_ms_range"][0] <= r["decode_ms_per_token"] <= r["decode_ms_range"][1] for r in long.values())
     assert all(r["first_call_s"] > 0 and math.isfinite(r["first_call_extra_s"]) for r in long.values())
     cold = tiny["cold_start"]["fused"]
     assert set(cold) == {"cold", "warm"} and all(c["build_s"] > 0 and c["first_s"] > 0 for c in cold.values())
