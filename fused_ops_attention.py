@@ -452,7 +452,9 @@ def sigmoid_gate_mul_ref(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 _DA_BLOCK_L = 32  # keys per iteration (tl.dot needs >= 16)
 _DA_MIN_SPLIT = 64  # a cache of L keys takes at most L / _DA_MIN_SPLIT splits (a short cache: few partials to merge)
-_DA_MAX_SPLITS = 64  # splits per row and KV head at most: 256 programs at batch 1 with 4 KV heads (132 SMs)
+_DA_PROGRAMS = 256  # split programs aimed at in all (B x KV x splits): about two per SM of an H200 (132 SMs)
+_DA_FEWEST_SPLITS = 32  # a long cache takes at least this many splits per row and KV head, however many rows
+_DA_MAX_SPLITS = 128  # and at most this many (the merge kernel's tile)
 # The running max of a split that has seen no valid key is -1e30 (written inline in the kernels), not -inf: finite,
 # so its weight exp(-1e30 - m) in the merge is 0 rather than NaN.
 
@@ -546,10 +548,16 @@ if HAS_TRITON:
         tl.store(y_ptr + i_b * (H * D) + i_h * D + o_d, _round_to(b_o * b_sg, dt).to(dt), mask=m_d)
 
 
-def _decode_attention_splits(L: int) -> int:
-    """Split programs per row and KV head for a cache of L keys: one per _DA_MIN_SPLIT keys of L, at most
-    _DA_MAX_SPLITS. The splits share the written key blocks round robin, whatever part of L is written."""
-    return max(1, min(_DA_MAX_SPLITS, triton.cdiv(L, _DA_MIN_SPLIT)))
+def _decode_attention_splits(L: int, heads: int) -> int:
+    """Split programs per row and KV head for a cache of L keys and `heads` = B x KV (row, KV head) pairs: about
+    _DA_PROGRAMS programs in all, between _DA_FEWEST_SPLITS and _DA_MAX_SPLITS per pair, and one per _DA_MIN_SPLIT
+    keys of L at most. The splits share the written key blocks round robin, whatever part of L is written.
+
+    H200, bf16, head dim 256, a 32,832-key context in its 65,536-key bucket (docs/DESIGN.md): 4 KV heads at batch 1
+    ran 63.5 / 44.1 / 51.2 us at 32 / 64 / 128 splits, 2 KV heads 56.1 / 38.1 / 29.6; 32 KV-head rows (batch 8) ran
+    262.5 / 272.4 / 275.3: two programs an SM, and no fewer than 32 splits once the rows fill the card."""
+    want = max(_DA_FEWEST_SPLITS, _DA_PROGRAMS // max(1, heads))
+    return max(1, min(_DA_MAX_SPLITS, want, triton.cdiv(L, _DA_MIN_SPLIT)))
 
 
 def decode_attention(
@@ -605,7 +613,7 @@ def decode_attention(
     y = torch.empty(B, H * D, dtype=q.dtype, device=q.device)
     if B == 0 or L == 0:
         return y
-    S = _decode_attention_splits(L)
+    S = _decode_attention_splits(L, B * KV)
     m = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)

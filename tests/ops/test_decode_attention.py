@@ -78,7 +78,7 @@ def test_decode_attention_cpu_round_robin_splits(dtype, L, slot, monkeypatch):
     to 2 splits, so each split takes every other block of 32 keys; also with most of the cache not written yet (a
     short context in a large bucket), where contiguous ranges would have left splits without keys."""
     monkeypatch.setattr(fused_ops_attention, "_DA_MAX_SPLITS", 2)
-    assert fused_ops_attention._decode_attention_splits(L) == 2
+    assert fused_ops_attention._decode_attention_splits(L, 2 * 2) == 2
     check("cpu", dtype, 2, 4, 2, 16, L, slot)
 
 
@@ -136,7 +136,7 @@ for dt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
              4)
     compile_(fused_ops_attention._decode_attention_merge_kernel,
              dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", gate_ptr=f"*{dt}", y_ptr=f"*{dt}"),
-             dict(H=16, D=256, BLOCK_S=64, BLOCK_D=256), 16)
+             dict(H=16, D=256, BLOCK_S=128, BLOCK_D=256), 16)
 """
 
 
@@ -145,9 +145,12 @@ def test_decode_attention_compiles_for_sm90():
 
 
 def test_split_counts():
-    """One split per 64 keys of the cache's length, 64 at most, whatever part of it is written."""
+    """One split per 64 keys of the cache's length, whatever part of it is written; about 256 programs in all over
+    the (row, KV head) pairs, 32 to 128 splits a pair."""
     splits = fused_ops_attention._decode_attention_splits
-    assert [splits(L) for L in (1, 64, 65, 256, 4096, 4097, 65536)] == [1, 1, 2, 4, 64, 64, 64]
+    assert [splits(L, 4) for L in (1, 64, 65, 256, 4096, 4097, 65536)] == [1, 1, 2, 4, 64, 64, 64]
+    assert [splits(65536, h) for h in (1, 2, 4, 8, 16, 32, 128)] == [128, 128, 64, 32, 32, 32, 32]
+    assert splits(4096, 1) == 64 and splits(100, 64) == 2
 
 
 # ---------------------------------------------------------------------------------------------------------------------
