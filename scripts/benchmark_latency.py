@@ -24,6 +24,7 @@ the matmul floor (2 x parameters x tokens / GEMM rate) and the weight-read floor
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import statistics
@@ -1141,6 +1142,7 @@ def main(argv=None):
         results["models"][name] = r
         if args.cold_start:  # after this model is freed: the children need the memory
             del stock, fused, models
+            gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             child_argv = (["--model", args.model] if args.model else ["--shapes", shape]) + [
@@ -1151,6 +1153,7 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(results, indent=2))  # after each model: a cut-off run keeps it
         del stock, fused, models
+        gc.collect()  # the pair's reference cycles (graphs, hooks) too: the next model's peaks count only its own memory
         if device.type == "cuda":
             torch.cuda.empty_cache()
     write_report(out, "results", results, to_markdown(results))
