@@ -17,7 +17,7 @@ of a forward. Optional runs: `--new-shapes` (the first call at a new batch or pr
 `--cold-start` (the first `generate` in fresh processes with an empty, then a warm Triton cache), `--long-context`
 (prefill time, its peak memory and decode ms/token at long contexts). On a GPU it
 also measures, in the same run, the two ceilings (device copy bandwidth, bf16 GEMM rate) and reports each time
-against its floor: the weight-read floor for decode (weight bytes / copy bandwidth) and for forwards the larger of
+against its floor: the weight-read floor for decode (the weight bytes a step reads / copy bandwidth) and for forwards the larger of
 the matmul floor (2 x parameters x tokens / GEMM rate) and the weight-read floor. Writes `results.json`,
 `results.md` and `latency.png` to --out.
 """
@@ -189,7 +189,9 @@ def split_over_gpus(model, n: int):
 
 
 def param_counts(model) -> dict:
-    """Parameter counts and bytes, each tensor counted once by its memory (tied or shared weights are one)."""
+    """Parameter counts and bytes, each tensor counted once by its memory (tied or shared weights are one).
+    `read_bytes`: what one forward or decode step reads of them: all but an untied input embedding table, of which a
+    step gathers only its tokens' rows (9B: 2 GB of 17.9 not read; a tied table is read whole, as the LM head)."""
     unique = {p.data_ptr(): p for p in model.parameters()}.values()
     embed = model.get_input_embeddings().weight
     total = sum(p.numel() for p in unique)
@@ -197,7 +199,8 @@ def param_counts(model) -> dict:
     head = model.lm_head.weight.numel()
     body = total - embed.numel() - (0 if tied else head)
     nbytes = sum(p.numel() * p.element_size() for p in unique)
-    return {"total": total, "body": body, "lm_head": head, "tied": tied, "weight_bytes": nbytes}
+    read = nbytes - (0 if tied else embed.numel() * embed.element_size())
+    return {"total": total, "body": body, "lm_head": head, "tied": tied, "weight_bytes": nbytes, "read_bytes": read}
 
 
 # ---------------------------------------------------------------------------------------------------------- runs
@@ -520,7 +523,7 @@ def long_context(models: dict, lengths, new_tokens: int, device, vocab, ceil: di
       after the first call, so no first-use cost lands in the decode figure; `decode_ms_range`: the fastest and
       slowest repeat;
     - floors (GPU): prefill = (2 x body parameters x L + the causal attention FLOPs) / measured GEMM rate; decode =
-      (weights + K/V at L + DeltaNet states) bytes / measured copy bandwidth.
+      (weights read + K/V at L + DeltaNet states) bytes / measured copy bandwidth.
 
     A variant that runs out of GPU memory at L is recorded as `{"oom": message}` and the run goes on."""
     config = models["stock"].config
@@ -532,7 +535,7 @@ def long_context(models: dict, lengths, new_tokens: int, device, vocab, ceil: di
             row["floor"] = {
                 "prefill_ms": (2 * counts["body"] * L + 2 * counts["lm_head"] + attention_flops(config, L))
                 / ceil["bf16_flops_per_s"] * 1e3,
-                "decode_ms": (counts["weight_bytes"] + context_bytes(config, L, dtype))
+                "decode_ms": (counts["read_bytes"] + context_bytes(config, L, dtype))
                 / ceil["copy_bytes_per_s"] * 1e3,
                 "context_bytes": context_bytes(config, L, dtype)}
         for name, model in models.items():
@@ -1130,7 +1133,7 @@ def main(argv=None):
                                    for b in args.profile_decode.split(",")}
         ceil = results["ceilings"]
         if ceil:
-            read_ms = counts["weight_bytes"] / ceil["copy_bytes_per_s"] * 1e3
+            read_ms = counts["read_bytes"] / ceil["copy_bytes_per_s"] * 1e3
             matmul_ms = {str(T): 2 * (counts["body"] * T + counts["lm_head"]) / ceil["bf16_flops_per_s"] * 1e3
                          for T in lengths}
             # a forward both multiplies and reads every weight once: its floor is the larger of the two (at 4B the

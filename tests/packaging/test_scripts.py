@@ -86,6 +86,19 @@ def test_benchmark_rejects_unknown_profile_variants(value, capsys):
 def test_benchmark_weight_accounting_counts_shared_storage_once():
     stock, fused = benchmark_latency.build_pair("tiny", None, torch.device("cpu"), torch.float32)
     assert benchmark_latency.param_counts(fused) == benchmark_latency.param_counts(stock)
+    counts = benchmark_latency.param_counts(stock)
+    assert counts["tied"] and counts["read_bytes"] == counts["weight_bytes"]  # the tied table is read as the LM head
+
+
+def test_benchmark_floor_leaves_out_an_untied_input_embedding():
+    """9B's input embedding is its own 2 GB table, of which a step gathers a few rows: not in the read floor."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3_5_text", vocab_size=64, hidden_size=16, intermediate_size=32,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                  layer_types=["full_attention"], tie_word_embeddings=False)
+    counts = benchmark_latency.param_counts(AutoModelForCausalLM.from_config(config))
+    assert not counts["tied"] and counts["read_bytes"] == counts["weight_bytes"] - 64 * 16 * 4
 
 
 def test_eval_quality_builds_the_moe_pair(tmp_path, fused_on_cpu):
