@@ -17,8 +17,8 @@ of a forward. Optional runs: `--new-shapes` (the first call at a new batch or pr
 `--cold-start` (the first `generate` in fresh processes with an empty, then a warm Triton cache), `--long-context`
 (prefill time, its peak memory and decode ms/token at long contexts). On a GPU it
 also measures, in the same run, the two ceilings (device copy bandwidth, bf16 GEMM rate) and reports each time
-against its floor: the weight-read floor for decode (the weight bytes a step reads / copy bandwidth) and for forwards the larger of
-the matmul floor (2 x parameters x tokens / GEMM rate) and the weight-read floor. Writes `results.json`,
+against its floor: the weight-read floor for decode (the weight bytes a step reads / copy bandwidth) and for
+forwards the larger of the matmul floor (2 x parameters x tokens / GEMM rate) and the weight-read floor. Writes `results.json`,
 `results.md` and `latency.png` to --out.
 """
 
@@ -509,8 +509,8 @@ def attention_flops(config, T: int) -> float:
     return kinds.count("full_attention") * 2.0 * T * T * config.num_attention_heads * config.head_dim
 
 
-def long_context(models: dict, lengths, new_tokens: int, device, vocab, ceil: dict, counts: dict, dtype,  # noqa: PLR0913
-                 repeats: int = 1) -> dict:
+def long_context(models: dict, lengths, new_tokens: int, device, vocab, ceil: dict, counts: dict,  # noqa: PLR0913
+                 dtype, repeats: int = 1) -> dict:
     """Long prompts, batch 1, per variant (stock, fused) and prompt length L, `repeats` timed pairs after the first
     call (medians; one pair's host hiccup of 30 ms moves a 64-token reading by 0.5 ms a token):
 
@@ -947,9 +947,8 @@ def _stall_markdown(results: dict) -> list[str]:
     rows = [(n, L, d) for n, r in results["models"].items() for L, d in r.get("long_context", {}).items()]
     if rows:
         lines += ["", "Long prompts, batch 1 (prefill: a 1-token generate; peak: allocated on top of the resident "
-                  "models; decode at that context; medians of the repeats, all timed after a first call at that length, "
-                  "whose extra time is "
-                  "the stall column):", "",
+                  "models; decode at that context; medians of the repeats, all timed after a first call at that "
+                  "length, whose extra time is the stall column):", "",
                   "| model | prompt | stock prefill ms | fused prefill ms | prefill floor ms | fused / floor | "
                   "peak GiB stock / fused | stock decode ms/token | fused decode ms/token | decode floor ms | "
                   "fused / floor | first-call stall s stock / fused |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -1044,7 +1043,8 @@ def main(argv=None):
     p.add_argument("--decode-batches", default="1,8")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--decode-repeats", type=int, default=3, help="timed generate pairs per decode variant and per long context (median)")
+    p.add_argument("--decode-repeats", type=int, default=3,
+                   help="timed generate pairs per decode variant and per long context (median)")
     p.add_argument("--pdl-ab", action="store_true",
                    help="also time the fused decode with programmatic dependent launch off (GPUs that have it)")
     p.add_argument("--profile", default="", help="comma list of lengths to profile (GPU): kernel counts, top kernels")
