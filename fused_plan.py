@@ -68,7 +68,7 @@ _cold_cache_checked = False
 
 def cold_cache_notice(device: torch.device) -> None:
     """Once per process, at the first fused plan on a GPU: when Triton's on-disk cache holds none of the fused
-    kernels, say that the first call compiles them (a fresh machine's first ``generate`` at 4B on the H200: 14.5 s
+    kernels, say that the first call compiles them (a fresh machine's first ``generate`` at 4B on the H200: 12-15 s
     with the choices shipped for the card, 48 s without, docs/BENCHMARKS.md "A fresh machine"), so the wait is not
     silent."""
     global _cold_cache_checked

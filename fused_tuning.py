@@ -3,8 +3,8 @@
 written by `scripts/record_tuning.py`), so that a fresh machine's first call compiles one kernel per choice
 instead of every candidate.
 
-Why: on an empty Triton cache the first 4B `generate` took 48.2 s on the H200 without this table (14.5 s with it;
-2026-12-02, docs/BENCHMARKS.md "A fresh machine"): fla's autotuning compiled 34 configs of its chunked DeltaNet
+Why: on an empty Triton cache the first 4B `generate` took 48.2 s on the H200 without this table (12-15 s with it;
+2026-12-02 and 12-03, docs/BENCHMARKS.md "A fresh machine"): fla's autotuning compiled 34 configs of its chunked DeltaNet
 kernels one after another (about 30 s; stock pays it too) and `small_linear` compiled 42 GEMV candidates to time
 them. Both are choices a card makes the same way every time, so the card's choices travel with the code:
 
