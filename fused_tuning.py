@@ -3,10 +3,10 @@
 written by `scripts/record_tuning.py`), so that a fresh machine's first call compiles one kernel per choice
 instead of every candidate.
 
-Why: on an empty Triton cache the first 4B `generate` took 48.2 s on the H200 without this table (12-15 s with it;
-2026-12-02 and 12-03, docs/BENCHMARKS.md "A fresh machine"): fla's autotuning compiled 34 configs of its chunked DeltaNet
-kernels one after another (about 30 s; stock pays it too) and `small_linear` compiled 42 GEMV candidates to time
-them. Both are choices a card makes the same way every time, so the card's choices travel with the code:
+Why: on an empty Triton cache the first 4B `generate` took 48.2 s on the H200 without this table (12-15 s with
+it; 2026-12-02 and 12-03, docs/BENCHMARKS.md "A fresh machine"): fla's autotuning compiled 34 configs of its chunked
+DeltaNet kernels one after another (about 30 s; stock pays it too) and `small_linear` compiled 42 GEMV candidates to
+time them. Both are choices a card makes the same way every time, so the card's choices travel with the code:
 
 - `shipped_choices(device, candidates, pdl)`: the decode linears' choices (`fused_ops_gemv.small_linear`) for
   `device`'s card, in the per-card record's format, read after the card's own record and before timing;
