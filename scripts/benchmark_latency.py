@@ -15,11 +15,11 @@ request set with a realistic spread of lengths (median, mean, p90, p95, and requ
 decode ms/token (median of --decode-repeats) and tokens/s through plain `generate()` at batch 1 and 8, and peak memory
 of a forward. Optional runs: `--new-shapes` (the first call at a new batch or prompt length in a warm process),
 `--cold-start` (the first `generate` in fresh processes with an empty, then a warm Triton cache), `--long-context`
-(prefill time, its peak memory and decode ms/token at long contexts). On a GPU it
-also measures, in the same run, the two ceilings (device copy bandwidth, bf16 GEMM rate) and reports each time
-against its floor: the weight-read floor for decode (the weight bytes a step reads / copy bandwidth) and for
-forwards the larger of the matmul floor (2 x parameters x tokens / GEMM rate) and the weight-read floor. Writes `results.json`,
-`results.md` and `latency.png` to --out.
+(prefill time, its peak memory and decode ms/token at long contexts). On a GPU it also measures, in the same run,
+the two ceilings (device copy bandwidth, bf16 GEMM rate) and reports each time against its floor: the weight-read
+floor for decode (the weight bytes a step reads / copy bandwidth) and for forwards the larger of the matmul floor
+(2 x parameters x tokens / GEMM rate) and the weight-read floor. Writes `results.json`, `results.md` and
+`latency.png` to --out.
 """
 
 import argparse
