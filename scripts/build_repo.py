@@ -85,8 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chart", help="PNG chart to ship and show in the card")
     parser.add_argument("--device", default="cpu", help="device for the merge and the verification (cpu or cuda; "
                         "only a CUDA GPU verifies the fused kernels)")
-    parser.add_argument("--verify", metavar="FOLDER", help="only re-verify a built folder (sources from its "
-                        "verification.json unless --base / --adapter are given)")
+    parser.add_argument("--verify", metavar="FOLDER", help="only re-verify a built folder, against --base / --adapter "
+                        "when given (checked to be the folders it was built from), else against the Hub sources its "
+                        "verification.json records; local sources are recorded by name and hash only, so without "
+                        "them the checks against the sources are kept from the last verification while the folder's "
+                        "files are unchanged")
     return parser
 
 
@@ -137,6 +140,7 @@ from scripts.push_to_hub import (  # noqa: E402
     hashed_files,
     sha256_files,
     fmt_err,
+    replace_paths,
     summary_line,
 )
 
@@ -248,23 +252,54 @@ LAYOUTS = {
 # --------------------------------------------------------------------------------------------------------------------
 
 
+SOURCE_CONFIG_FILES = ("config.json", "adapter_config.json")
+
+
+def source_files(folder) -> list[str]:
+    """The files that make a base or adapter what it is: its config (``config.json`` / ``adapter_config.json``) and
+    its weights (``*.safetensors`` and their index), by name."""
+    return sorted(e.name for e in os.scandir(folder) if e.is_file() and (
+        e.name in SOURCE_CONFIG_FILES or e.name.endswith((".safetensors", ".safetensors.index.json"))))
+
+
+def content_hash(folder) -> str:
+    """What identifies a local source without naming its path: the sha256 of the lines ``<sha256>  <name>`` (as
+    ``sha256sum`` prints them) of its :func:`source_files`, in that order; the same wherever the folder lies."""
+    listing = "".join(f"{digest}  {name}\n" for name, digest in sha256_files(folder, source_files(folder)).items())
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
 @dataclasses.dataclass
 class Source:
-    """A base or adapter: the local folder read, and the Hub id / commit it came from when known."""
+    """A base or adapter: the local folder read, and the Hub id / commit it came from when known; for a local folder,
+    ``copy_of`` is the Hub id it is a copy of (``--base-id`` / ``--adapter-id``) and ``sha256`` its
+    :func:`content_hash` once computed."""
 
     path: str
     hub_id: str | None = None
     revision: str | None = None
+    copy_of: str | None = None
+    sha256: str | None = dataclasses.field(default=None, compare=False)
+
+    def content_hash(self) -> str:
+        if self.sha256 is None:
+            self.sha256 = content_hash(self.path)
+        return self.sha256
 
     def record(self) -> dict:
-        """What verification.json keeps: the Hub id and commit, or the folder (never a cache path)."""
+        """What verification.json keeps: the Hub id and commit, or a local folder's name, ``copy_of`` and content hash;
+        never a path (a folder's or a cache's), which would name the builder's machine on the Hub."""
         if self.hub_id is None:
-            return {"path": self.path}
+            return {"kind": "local", "name": self.name, "copy_of": self.copy_of, "sha256": self.content_hash()}
         return {"hub_id": self.hub_id, "revision": self.revision}
+
+    @property
+    def name(self) -> str:
+        return Path(self.path).resolve().name
 
     def describe(self) -> str:
         if self.hub_id is None:
-            return self.path
+            return self.name
         return f"{self.hub_id}@{self.revision}" if self.revision else self.hub_id
 
 
@@ -272,14 +307,15 @@ _CACHE_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshot
 
 
 def resolve_source(spec: str, revision: str | None = None, cache_dir: str | None = None,
-                   allow_patterns: list[str] | None = None) -> Source:
-    """A local folder as it is, else a Hub id through ``snapshot_download`` (honours HF_HUB_OFFLINE and the cache)."""
+                   allow_patterns: list[str] | None = None, copy_of: str | None = None) -> Source:
+    """A local folder as it is (``copy_of``: the Hub id it is a copy of), else a Hub id through ``snapshot_download``
+    (honours HF_HUB_OFFLINE and the cache)."""
     path = Path(spec).expanduser()
-    if path.is_dir():  # recorded absolute: `--verify` from another folder must find the same base
+    if path.is_dir():  # resolved, so that `--base .` is recorded by the folder's own name
         match = _CACHE_SNAPSHOT.search(path.resolve().as_posix())
         if match:  # a folder inside an HF cache still knows its id and commit
             return Source(str(path.resolve()), f"{match['org']}/{match['name']}", match["sha"])
-        return Source(str(path.resolve()))
+        return Source(str(path.resolve()), copy_of=copy_of)
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
         raise BuildError(f"{spec!r} is neither a folder nor a Hub repo id (org/name)")
     from huggingface_hub import snapshot_download
@@ -899,34 +935,31 @@ def verify_repo(folder, base: Source | str | None = None, adapter: Source | str 
        ``ROUNDING_FACTOR``) for bf16 / fp16;
     4. greedy generation of ``GREEDY_TOKENS`` tokens: fused equals stock.
 
-    Without ``base``, base and adapter are the sources recorded in the folder's verification.json; with ``base``,
-    ``adapter=None`` means none. Models are loaded one at a
-    time, so memory peaks at one float32 model.
+    The sources: see :func:`_verification_sources` (with ``base``, ``adapter=None`` means none). Where the folder was
+    built from local folders and they are not given, the checks against them (tensor names and shapes, logits vs the
+    reference) are kept from the last verification, which only holds while the folder's files are those it checked
+    (:func:`_kept_source_checks`). Models are loaded one at a time, so memory peaks at one float32 model. The result
+    names no local path: a load error's folders are replaced by their names (:func:`_local_paths`).
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     folder = Path(folder)
-    if base is None:  # both sources as recorded by the last verification
-        previous = json.loads((folder / VERIFICATION_FILE).read_text()) if (folder / VERIFICATION_FILE).is_file() else {}
-        recorded = previous.get("sources") or {}
-        if not recorded.get("base"):
-            raise ValueError(f"verify_repo needs the base {folder} was built from (base=...)")
-        base = _as_source(recorded["base"], allow_patterns=BASE_DOWNLOAD_PATTERNS)
-        adapter = _as_source(recorded.get("adapter")) if adapter is None else _as_source(adapter)
-    else:
-        base, adapter = _as_source(base, allow_patterns=BASE_DOWNLOAD_PATTERNS), _as_source(adapter)
+    previous = json.loads((folder / VERIFICATION_FILE).read_text()) if (folder / VERIFICATION_FILE).is_file() else {}
+    base, adapter = _verification_sources(folder, previous, base, adapter)
+    files = sha256_files(folder, hashed_files(folder))
+    kept = _kept_source_checks(folder, previous, files) if base is None else None
     config = read_config(folder)
     layout = detect_layout(config)
     target = _stored_dtype(checkpoint_shapes(folder))
     inputs = verification_inputs(config, layout)
     prompt = inputs["input_ids"][:1, : VERIFY_SEQ_LEN // 2]
-    checks = _file_checks(folder, layout, base.path)
+    checks = _file_checks(folder, layout, base.path if base else None)
 
     auto = AutoModelForImageTextToText if layout.composite else AutoModelForCausalLM
-    with _hub_view(folder) as (repo_id, cache_dir):
+    with _hub_view(folder) as (repo_id, hub_cache):
         checks["fused_load"], fused_logits, fused_tokens = _load_and_run(
             # revision="main": the snapshot's only ref (unpinned, transformers warns of "a new version downloaded")
-            lambda: auto.from_pretrained(repo_id, cache_dir=cache_dir, local_files_only=True, trust_remote_code=True,
+            lambda: auto.from_pretrained(repo_id, cache_dir=hub_cache, local_files_only=True, trust_remote_code=True,
                                          revision="main", dtype=torch.float32, output_loading_info=True,
                                          **_placement(device)),
             layout.fused_class, True, inputs, prompt, device)
@@ -941,7 +974,43 @@ def verify_repo(folder, base: Source | str | None = None, adapter: Source | str 
     checks["fused_vs_stock"] = {"passed": loaded and err <= bound, "rel_err": err, "bound": bound}
     checks["greedy"] = {"passed": loaded and fused_tokens == stock_tokens, "new_tokens": GREEDY_TOKENS,
                         "fused": fused_tokens, "stock": stock_tokens}
+    if base is None:
+        checks.update(kept)
+    else:
+        checks["vs_reference"] = _reference_check(base, adapter, layout, inputs, target, stock_logits, device)
 
+    required = ("config", "fused_load", "stock_load", "fused_vs_stock", "greedy", "vs_reference")
+    paths = checks["fused_load"].get("paths") or {}
+    result = {
+        "passed": all(checks[name]["passed"] for name in required),
+        "failed": [name for name in required if not checks[name]["passed"]],
+        # fused vs stock compares something only where some layer ran fused (on CPU every layer runs stock code)
+        "fused_kernels_verified": bool(paths) and any(p.startswith("fused") for p in paths.values()),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "layout": layout.name,
+        "dtype": dtype_name(target),
+        "device": device,
+        "sources": ({"base": base.record(), "adapter": adapter.record() if adapter else None} if base
+                    else previous["sources"]),
+        "inputs": {"batch": VERIFY_BATCH, "seq_len": int(inputs["input_ids"].shape[1]), "seed": VERIFY_SEED,
+                   "image": "pixel_values" in inputs},
+        "checks": checks,
+        "versions": versions(),
+        "code": code_revision(),
+        "files": files,
+    }
+    result = replace_paths(result, _local_paths(folder, base, adapter, hub_cache=hub_cache))
+    if not checks.get("keys_vs_base", {"passed": True})["passed"]:
+        logger.warning("tensor names / shapes differ from the base: %s", checks["keys_vs_base"])
+    if write:
+        (folder / VERIFICATION_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _reference_check(base: Source, adapter: Source | None, layout: Layout, inputs: dict, target: torch.dtype,
+                     stock_logits: torch.Tensor | None, device: str) -> dict:
+    """The folder's logits (``stock_logits``) vs base + adapter unmerged, float32, within the bound of the folder's
+    dtype; with the adapter's own effect on the logits for scale."""
     reference = load_base(base.path, layout, device)
     if adapter is not None:
         reference = load_adapter(reference, adapter.path)
@@ -962,36 +1031,81 @@ def verify_repo(folder, base: Source | str | None = None, adapter: Source | str 
     vs_ref.update(passed=err is not None and err <= ref_bound, rel_err=err, bound=ref_bound)
     if adapter is not None and vs_ref["adapter_effect"] <= ref_bound:
         vs_ref["note"] = "the adapter moves the logits less than the bound: this check cannot tell merged from unmerged"
-    checks["vs_reference"] = vs_ref
+    return vs_ref
 
-    required = ("config", "fused_load", "stock_load", "fused_vs_stock", "greedy", "vs_reference")
-    paths = checks["fused_load"].get("paths") or {}
-    result = {
-        "passed": all(checks[name]["passed"] for name in required),
-        "failed": [name for name in required if not checks[name]["passed"]],
-        # fused vs stock compares something only where some layer ran fused (on CPU every layer runs stock code)
-        "fused_kernels_verified": bool(paths) and any(p.startswith("fused") for p in paths.values()),
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "layout": layout.name,
-        "dtype": dtype_name(target),
-        "device": device,
-        "sources": {"base": base.record(), "adapter": adapter.record() if adapter else None},
-        "inputs": {"batch": VERIFY_BATCH, "seq_len": int(inputs["input_ids"].shape[1]), "seed": VERIFY_SEED,
-                   "image": "pixel_values" in inputs},
-        "checks": checks,
-        "versions": versions(),
-        "code": code_revision(),
-        "files": sha256_files(folder, hashed_files(folder)),
-    }
-    if not checks.get("keys_vs_base", {"passed": True})["passed"]:
-        logger.warning("tensor names / shapes differ from the base: %s", checks["keys_vs_base"])
-    if write:
-        (folder / VERIFICATION_FILE).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+
+def _verification_sources(folder: Path, previous: dict, base, adapter) -> tuple[Source | None, Source | None]:
+    """The base and adapter to verify ``folder`` against: those given (``base``; ``adapter=None`` is then none), else
+    those its verification.json (``previous``) records where they can be opened again (a Hub id and commit; a folder
+    recorded by its path, by builds before local paths were dropped), else ``(None, None)``: a local source is
+    recorded by name and content hash only. A given source must have the content hash recorded for it."""
+    recorded = previous.get("sources") or {}
+    if base is None:
+        if not recorded.get("base"):
+            raise BuildError(f"{folder} records no sources (no {VERIFICATION_FILE}, or one without them): pass --base "
+                             "(and --adapter) it was built from")
+        local = any((recorded.get(r) or {}).get("kind") == "local" for r in ("base", "adapter"))
+        if local and adapter is None:
+            return None, None
+        if recorded["base"].get("kind") == "local":
+            raise BuildError(f"--adapter {adapter} without --base: {folder} was built from the local base folder "
+                             f"{recorded['base']['name']!r}, which is recorded by name and hash only; pass --base too")
+        base = _as_source(recorded["base"], allow_patterns=BASE_DOWNLOAD_PATTERNS)
+        adapter = _as_source(recorded.get("adapter")) if adapter is None else _as_source(adapter)
+    else:
+        base, adapter = _as_source(base, allow_patterns=BASE_DOWNLOAD_PATTERNS), _as_source(adapter)
+    for role, source in (("base", base), ("adapter", adapter)):
+        _check_recorded_hash(folder, role, source, recorded.get(role))
+    return base, adapter
+
+
+def _check_recorded_hash(folder: Path, role: str, source: Source | None, recorded: dict | None) -> None:
+    """A ``BuildError`` when ``source`` is not the local folder ``role`` was built from (its :func:`content_hash`
+    differs from the recorded one); a match takes over the recorded ``copy_of``."""
+    if source is None or not recorded or not recorded.get("sha256"):
+        return
+    digest = source.content_hash()
+    if digest != recorded["sha256"]:
+        raise BuildError(f"--{role} {source.path}: its config and weights (sha256 {digest[:16]}) are not those of the "
+                         f"{role} {folder} was built from ({recorded.get('name')!r}, sha256 "
+                         f"{recorded['sha256'][:16]}); pass that folder, or rebuild {folder} from this one")
+    if source.hub_id is None and source.copy_of is None:
+        source.copy_of = recorded.get("copy_of")
+
+
+SOURCE_CHECKS = ("keys_vs_base", "vs_reference")
+
+
+def _kept_source_checks(folder: Path, previous: dict, files: dict) -> dict:
+    """The checks against the sources (``SOURCE_CHECKS``) from ``folder``'s last verification, for a folder built
+    from local folders and verified without them: they still hold while every file they vouched for has the same
+    sha256 (``files``), else a ``BuildError`` asks for the sources. Each is marked with the verification it comes
+    from."""
+    checks = previous.get("checks") or {}
+    if files != previous.get("files") or "vs_reference" not in checks:
+        names = ", ".join(repr(s["name"]) for s in previous["sources"].values() if s and s.get("kind") == "local")
+        raise BuildError(f"{folder} was built from local folders ({names}), recorded by name and hash only, and its "
+                         f"files are not those its {VERIFICATION_FILE} vouches for: pass --base (and --adapter) to "
+                         "check it against them")
+    return {name: {**checks[name], "kept_from": previous.get("timestamp")} for name in SOURCE_CHECKS if name in checks}
+
+
+def _local_paths(folder: Path, *sources: Source | None, hub_cache: str) -> dict[str, str]:
+    """This machine's paths a verification may meet (a load error names them), each with what stands in for it in
+    verification.json: a folder its name, the throwaway Hub view ``hub-view``, the home folder ``~``."""
+    paths = {}
+    home = Path.home()
+    if len(home.parts) > 1:
+        paths[str(home)] = "~"
+    for path, name in ((hub_cache, "hub-view"), (folder, None), *((s.path, None) for s in sources if s)):
+        for form in (Path(path).absolute(), Path(path).resolve()):
+            paths[str(form)] = name or form.name
+    return paths
 
 
 def _as_source(value, allow_patterns=None) -> Source | None:
-    """A Source from a Source, a folder / Hub id, or a recorded ``Source`` dict (re-resolved when its folder is gone)."""
+    """A Source from a Source, a folder / Hub id, or a recorded ``Source`` dict: a Hub id is resolved again, a folder
+    recorded by its path (by builds before local paths were dropped) opened while it is there."""
     if value is None or isinstance(value, Source):
         return value
     if isinstance(value, dict):
@@ -1271,8 +1385,8 @@ def build_repo(base: str, out, adapter: str | None = None, *, dtype: str | None 
     out.parent.mkdir(parents=True, exist_ok=True)
     clean_stale_builds(out)
 
-    base_src = resolve_source(base, base_revision, cache_dir, allow_patterns=BASE_DOWNLOAD_PATTERNS)
-    adapter_src = resolve_source(adapter, adapter_revision, cache_dir) if adapter else None
+    base_src = resolve_source(base, base_revision, cache_dir, allow_patterns=BASE_DOWNLOAD_PATTERNS, copy_of=base_id)
+    adapter_src = resolve_source(adapter, adapter_revision, cache_dir, copy_of=adapter_id) if adapter else None
     base_config = read_config(base_src.path)
     layout = detect_layout(base_config)
     target = DTYPES[dtype] if dtype else base_dtype(base_src.path, base_config)

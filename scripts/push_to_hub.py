@@ -18,7 +18,8 @@
 - The push is refused when verification.json is missing or failed, when a file it vouches for (weights, config,
   code, tokenizer) was changed, added or removed since, and when the fused kernels were not verified (a build on a
   machine without a CUDA GPU checks only the stock path) unless ``--allow-unverified-kernels`` is given.
-- verification.json is uploaded without local paths (a local source is named by its folder name).
+- verification.json names no local path: builds record a local source by its folder name and content hash;
+  in a folder verified before they did, each source path is replaced by the folder's name on upload.
 - The commit message carries the verification summary.
 - The token comes from huggingface_hub's usual sources (``HF_TOKEN``, ``hf auth login``); it is never an argument
   and never printed, and it is checked before any file is hashed.
@@ -200,14 +201,33 @@ def commit_text(folder, result: dict) -> tuple[str, str]:
 
 
 def _source_text(source: dict) -> str:
+    """A recorded source for the commit text: a Hub id and commit, or a local folder by name (with the Hub id it is a
+    copy of and its content hash, where recorded; a folder verified before these were recorded names its path)."""
+    if source.get("kind") == "local":
+        about = [f"a copy of {source['copy_of']}"] if source.get("copy_of") else []
+        about += [f"sha256 {source['sha256']}"] if source.get("sha256") else []
+        return f"local folder {source['name']}" + (f" ({', '.join(about)})" if about else "")
     if source.get("hub_id"):
         return source["hub_id"] + (f"@{source['revision']}" if source.get("revision") else "")
     return f"local folder {Path(source['path']).name}"
 
 
+def replace_paths(value, paths: dict[str, str]):
+    """``value`` (JSON data) with each path of ``paths`` replaced by its stand-in in every string, longest first."""
+    if isinstance(value, dict):
+        return {k: replace_paths(v, paths) for k, v in value.items()}
+    if isinstance(value, list):
+        return [replace_paths(v, paths) for v in value]
+    if isinstance(value, str):
+        for path, name in sorted(paths.items(), key=lambda item: -len(item[0])):
+            value = value.replace(path, name)
+    return value
+
+
 def public_verification(result: dict) -> dict:
-    """``result`` as it may be uploaded: a local source is named by its folder name, not its path, and no string
-    holds that path anywhere else (a load error, say)."""
+    """``result`` as it may be uploaded. Builds record a local source by name and content hash, never by path; a
+    folder verified before (its verification.json names the source folders) has each path replaced by the folder's
+    name, in the sources and in every other string (a load error, say)."""
     paths = {}
     sources = {}
     for role, source in result.get("sources", {}).items():
@@ -217,18 +237,7 @@ def public_verification(result: dict) -> dict:
             sources[role] = {"path": name, "local": True}
         else:
             sources[role] = source
-
-    def scrub(value):
-        if isinstance(value, dict):
-            return {k: scrub(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [scrub(v) for v in value]
-        if isinstance(value, str):
-            for path, name in sorted(paths.items(), key=lambda item: -len(item[0])):
-                value = value.replace(path, name)
-        return value
-
-    return {**scrub(result), "sources": sources}
+    return {**replace_paths(result, paths), "sources": sources}
 
 
 def written_by_builds(name: str) -> bool:

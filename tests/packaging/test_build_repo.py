@@ -704,23 +704,38 @@ def test_killed_builds_are_removed_by_the_next_run(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".repo.build-live"]
 
 
-def test_relative_base_is_recorded_absolute(text_sources, composite_build, tmp_path, monkeypatch, capfd):
-    """`--base .` records the folder's absolute path (the commit description names it); `--verify` from another
-    folder re-checks against that same base, and a local verification logs no "new version downloaded" warning."""
+def test_relative_base_is_recorded_by_name_and_hash(text_sources, composite_sources, composite_build, tmp_path,
+                                                   monkeypatch, capfd):
+    """`--base .` is recorded by the folder's own name, the Hub id it is a copy of and the sha256 of the sha256sum
+    listing of its config and weights. A folder built before local paths were dropped (its verification.json names
+    the source folders) still verifies from another folder, against those folders, and its new record names no path;
+    a local verification logs no "new version downloaded" warning."""
+    import hashlib
+
     base, _ = text_sources
     monkeypatch.chdir(base)
-    source = build_repo.resolve_source(".")
-    assert source.record() == {"path": str(base.resolve())}
+    source = build_repo.resolve_source(".", copy_of="org/base")
+    listing = "".join(f"{hashlib.sha256((base / n).read_bytes()).hexdigest()}  {n}\n"
+                      for n in ("config.json", "model.safetensors"))
+    assert source.record() == {"kind": "local", "name": "base", "copy_of": "org/base",
+                               "sha256": hashlib.sha256(listing.encode()).hexdigest()}
+    vl_base, vl_adapter = composite_sources
     folder = tmp_path / "tiny-vl-fused"
     shutil.copytree(composite_build[0], folder)
+    legacy = json.loads((folder / "verification.json").read_text())
+    legacy["sources"] = {"base": {"path": str(vl_base)}, "adapter": {"path": str(vl_adapter)}}
+    (folder / "verification.json").write_text(json.dumps(legacy))
     monkeypatch.chdir(tmp_path)
     capfd.readouterr()
     result = build_repo.verify_repo(folder, write=False)
     assert result["passed"], result["failed"]
+    assert "kept_from" not in result["checks"]["vs_reference"]  # checked again, against the recorded folders
+    assert result["sources"]["base"] == {"kind": "local", "name": "base", "copy_of": None,
+                                         "sha256": build_repo.content_hash(vl_base)}
+    assert str(vl_base.parent) not in json.dumps(result)
     assert "A new version of the following files was downloaded" not in capfd.readouterr().err
-    recorded = json.loads((folder / "verification.json").read_text())
-    message, description = push_to_hub.commit_text(folder, recorded)
-    assert "base: local folder base" in description
+    message, description = push_to_hub.commit_text(folder, legacy)
+    assert "base: local folder base" in description and str(vl_base) not in description
 
 
 def test_cpu_build_says_the_kernels_were_not_verified(text_build):
@@ -750,3 +765,100 @@ def test_card_usage_example_runs_as_written_on_cpu(built_by_id):
     """The card's Python block, copied as is, run on CPU against the repo id (an offline Hub cache; `built_by_id`)."""
     _, example_out = built_by_id
     assert "'mlp'" in example_out  # model.describe()["layers"] was printed
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Issue 47: a build from local folders names no local path in its output
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _files_naming(folder: Path, roots) -> list[str]:
+    """The files under ``folder`` whose bytes (text or not) hold any of the paths ``roots``."""
+    needles = {str(r).encode() for r in roots}
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if p.is_file() and any(n in p.read_bytes() for n in needles))
+
+
+@pytest.fixture(scope="module")
+def local_build(text_sources, tmp_path_factory):
+    """Built through the CLI as a new user would, from two local folders under one temporary folder: `--base .` run
+    inside the base, an absolute `--adapter`, `--dtype bfloat16`. Returns (that temporary folder, the output)."""
+    root = tmp_path_factory.mktemp("local_build")
+    base, adapter = root / "sources" / "base", root / "sources" / "my-lora"
+    shutil.copytree(text_sources[0], base)
+    shutil.copytree(text_sources[1], adapter)
+    out = root / "out" / "model"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(base)
+        rc = build_repo.main(["--base", ".", "--base-id", "example/tiny-base", "--adapter", str(adapter), "--out",
+                              str(out), "--dtype", "bfloat16"])
+    assert rc == 0
+    return root, out
+
+
+def test_local_build_names_no_local_path(local_build):
+    """Issue 47: no file of the output (verification.json, the card, configs, code, weights) holds the temporary
+    folder's path, as given or resolved; a local source is recorded by its folder name, the Hub id it is a copy of
+    and a hash of its config and weights. What the push uploads (and its commit text) holds none either."""
+    root, out = local_build
+    assert _files_naming(out, {root, root.resolve()}) == []
+    result = json.loads((out / "verification.json").read_text())
+    assert result["passed"], result["failed"]
+    base, adapter = root / "sources" / "base", root / "sources" / "my-lora"
+    assert result["sources"] == {
+        "base": {"kind": "local", "name": "base", "copy_of": "example/tiny-base",
+                 "sha256": build_repo.content_hash(base)},
+        "adapter": {"kind": "local", "name": "my-lora", "copy_of": None, "sha256": build_repo.content_hash(adapter)},
+    }
+    public = json.dumps(push_to_hub.public_verification(result))
+    message, description = push_to_hub.commit_text(out, result)
+    for text in (public, message, description):
+        assert str(root) not in text and str(root.resolve()) not in text
+    assert "base: local folder base (a copy of example/tiny-base, sha256 " in description
+
+
+def test_verify_elsewhere_checks_the_sources(local_build, tmp_path, monkeypatch, capsys):
+    """`--verify` of a folder built from local folders, run from another folder. Without sources it runs what the
+    folder alone shows and keeps the checks against the sources from the build (the files they vouched for unchanged);
+    given them (relative paths) it runs those again. A source other than the one built from (its hash differs) is a
+    one-line error naming it and the fix, and so is a folder changed since, verified without its sources."""
+    root, built = local_build
+    base, adapter = root / "sources" / "base", root / "sources" / "my-lora"
+    folder = tmp_path / "copy" / "model"
+    shutil.copytree(built, folder)
+    first = json.loads((folder / "verification.json").read_text())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+
+    assert build_repo.main(["--verify", str(folder)]) == 0
+    result = json.loads((folder / "verification.json").read_text())
+    assert result["passed"] and result["sources"] == first["sources"]
+    for name in ("vs_reference", "keys_vs_base"):
+        assert result["checks"][name] == {**first["checks"][name], "kept_from": first["timestamp"]}
+
+    relative = [os.path.relpath(p, elsewhere) for p in (folder, base, adapter)]
+    assert build_repo.main(["--verify", relative[0], "--base", relative[1], "--adapter", relative[2]]) == 0
+    result = json.loads((folder / "verification.json").read_text())
+    assert result["passed"] and result["sources"] == first["sources"]  # copy_of kept from the build's record
+    assert "kept_from" not in result["checks"]["vs_reference"]
+    assert result["checks"]["vs_reference"]["rel_err"] == first["checks"]["vs_reference"]["rel_err"]
+    assert _files_naming(folder, {tmp_path, tmp_path.resolve(), root, root.resolve()}) == []
+
+    other = tmp_path / "other-lora"
+    shutil.copytree(adapter, other)
+    config = json.loads((other / "adapter_config.json").read_text())
+    (other / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 2 * LORA_ALPHA}))
+    capsys.readouterr()
+    assert build_repo.main(["--verify", str(folder), "--base", str(base), "--adapter", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the hashing bar
+    assert err.startswith(f"error: --adapter {other.resolve()}: its config and weights")
+    assert f"'my-lora', sha256 {first['sources']['adapter']['sha256'][:16]}" in err and "pass that folder" in err
+
+    shard = folder / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-2] + b"\x00\x01")
+    assert build_repo.main(["--verify", str(folder)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: {folder} was built from local folders ('base', 'my-lora')")
+    assert err.endswith("pass --base (and --adapter) to check it against them")

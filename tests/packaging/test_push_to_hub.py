@@ -169,8 +169,9 @@ def test_push_refuses_unverified_kernels_unless_told(tmp_path, monkeypatch, caps
 
 
 def test_push_uploads_no_local_path(tmp_path, monkeypatch, token):
-    """verification.json names a local base / adapter by its folder name, everywhere (an error text included); the
-    commit description too. The file on disk keeps the absolute path (`--verify` needs it)."""
+    """A folder verified before builds stopped recording local paths: the uploaded verification.json names a local
+    base / adapter by its folder name, everywhere (an error text included); the commit description too. The file on
+    disk is left as it is."""
     base = tmp_path / "my-base"
     folder = verified_folder(tmp_path, source_path=base)
     hub = FakeHub(monkeypatch)
@@ -190,6 +191,25 @@ def test_push_uploads_no_local_path(tmp_path, monkeypatch, token):
         if name != "verification.json" and name.endswith((".json", ".md")):
             assert str(tmp_path) not in Path(content).read_text(), name
     assert str(base) in (folder / "verification.json").read_text()
+
+
+def test_push_names_a_local_source_by_name_and_hash(tmp_path, monkeypatch, token):
+    """Sources as builds record a local folder (name, the Hub id it is a copy of, content hash) are uploaded as they
+    are, and the commit description names them so."""
+    folder = verified_folder(tmp_path)
+    record = json.loads((folder / "verification.json").read_text())
+    record["sources"] = {
+        "base": {"kind": "local", "name": "my-base", "copy_of": "test-org/tiny-base", "sha256": "ab" * 32},
+        "adapter": {"kind": "local", "name": "my-lora", "copy_of": None, "sha256": "cd" * 32},
+    }
+    (folder / "verification.json").write_text(json.dumps(record))
+    hub = FakeHub(monkeypatch)
+    push_to_hub.push(folder, "test-org/x")
+    uploaded = {op.path_in_repo: op.path_or_fileobj for op in hub.commit_operations()}
+    assert json.loads(uploaded["verification.json"])["sources"] == record["sources"]
+    description = [kw for name, kw in hub.calls if name == "create_commit"][0]["commit_description"]
+    assert f"base: local folder my-base (a copy of test-org/tiny-base, sha256 {'ab' * 32})" in description
+    assert f"adapter (merged in float32, cast once): local folder my-lora (sha256 {'cd' * 32})" in description
 
 
 def test_push_checks_the_token_before_any_work(tmp_path, monkeypatch, capsys):
