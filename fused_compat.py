@@ -24,7 +24,7 @@ import inspect
 import threading
 
 import torch
-
+import transformers
 from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria
@@ -45,6 +45,9 @@ __all__ = [
     "ALL_ATTENTION_FUNCTIONS", "Cache", "GenerateDecoderOnlyOutput", "GenerationMode", "MaxLengthCriteria",
     "eager_attention_forward", "stock", "stock_moe",
 ]
+
+
+_VERSION = transformers.__version__
 
 
 def _has_param(fn, name: str) -> bool:
@@ -79,6 +82,19 @@ else:  # transformers 5.17: stock reads the cache layer's list
         """The recurrent state a cache holds for DeltaNet layer ``layer_idx`` (one that has a previous state)."""
         getter = getattr(cache, "get_recurrent_state", None)  # the fused decode cache has it on every version
         return getter(layer_idx) if getter is not None else cache.layers[layer_idx].recurrent_states[0]
+
+
+def is_recording_past(cache, layer_idx: int) -> bool:
+    """Whether ``cache`` records the states of every token it is given for layer ``layer_idx`` (5.25's assisted
+    decoding: ``activate_past_recording``, so a rejected draft can be cropped away). The fused DeltaNet forward keeps
+    no such history, so it hands such a call to the stock forward."""
+    check = getattr(cache, "is_recording_past", None)
+    if check is None:
+        return False
+    try:
+        return bool(check(layer_idx))
+    except (IndexError, KeyError):  # a cache with no layer there (the fused decode cache before 5.25's protocol)
+        return False
 
 
 def pop_cache(kwargs: dict):
@@ -118,6 +134,109 @@ def bind_forward_args(args: tuple, kwargs: dict) -> dict:
     if args:
         kwargs.update(zip(TEXT_FORWARD_ARGS, args))
     return kwargs
+
+
+# -- the stock cache the fused path returns ---------------------------------------------------------------------------
+#
+# A forward that returns a cache, and generate, hand the caller stock's `DynamicCache` built from the fused state
+# (`fused_decode.stock_cache_from_state`): each layer's state is put in through stock's own update calls, then the
+# layer's bookkeeping is made what stock's forward over the same tokens leaves. transformers 5.25 gave each linear-
+# attention layer a token count of its own (`cumulative_length_linear`, which `DynamicCache.get_seq_length` reads
+# on layer 0); 5.24 and older count only attention layers. Whether the result is stock's is not assumed from the
+# version: `returned_cache_reason()` checks it once a process, on a tiny stock model.
+
+
+def fill_linear_layer(cache, layer_idx: int, conv: torch.Tensor, recurrent: torch.Tensor, kernel_size: int,
+                      tokens: int) -> None:
+    """Put a DeltaNet layer's state into a stock cache as stock's forward over ``tokens`` tokens leaves it: ``conv``
+    [B, C, K] the last K pre-conv inputs, ``recurrent`` [B, HV, Dk, Dv] (both kept, not copied: pass copies)."""
+    cache.update_conv_state(conv, layer_idx, conv_kernel_size=kernel_size)
+    cache.update_recurrent_state(recurrent, layer_idx)
+    count = getattr(cache.layers[layer_idx], "cumulative_length_linear", None) if hasattr(cache, "layers") else None
+    if isinstance(count, torch.Tensor):  # 5.25+: the layer counts its tokens; the conv update added K, not `tokens`
+        count.fill_(tokens)
+
+
+def fill_attention_layer(cache, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Put an attention layer's keys / values [B, KV, T, D] (the real tokens' only) into a stock cache."""
+    cache.update(keys, values, layer_idx, **cache_update_kwargs({}))
+
+
+def _probe_config():
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, linear_key_head_dim=4, linear_value_head_dim=4, linear_num_key_heads=1,
+        linear_num_value_heads=2, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                         "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+
+
+def _probe_returned_cache(fill_linear=None) -> str | None:
+    """None when a stock cache built as the fused path builds it (``fill_linear_layer``, ``fill_attention_layer``)
+    behaves as the cache stock's own forward returns: the same length from every query a forward or generate makes,
+    and a forward continuing it gives the same logits, bit for bit. Else what differs. A 2-layer, 16-wide stock model
+    on CPU (~30 ms); the RNG state is left as it was."""
+    from transformers import Qwen3_5ForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    fill_linear = fill_linear or fill_linear_layer
+    config = _probe_config()
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"), torch.no_grad(), torch_reference_kernels():
+        gen = torch.Generator().manual_seed(0)
+        model = Qwen3_5ForCausalLM(config).float().eval()
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        for prompt in (2, 6):  # shorter and longer than the conv window
+            ids = torch.randint(3, 32, (1, prompt + 1), generator=gen)
+            want = getattr(model(ids[:, :prompt], use_cache=True), OUTPUT_CACHE_FIELD)
+            ours = DynamicCache(config=config)
+            for i, kind in enumerate(config.layer_types):
+                if kind == "linear_attention":
+                    layer = model.model.layers[i].linear_attn
+                    fill_linear(ours, i, want.layers[i].conv_states[0].clone(),
+                                want.layers[i].recurrent_states[0].clone(), layer.conv_kernel_size, prompt)
+                else:
+                    fill_attention_layer(ours, i, want.layers[i].keys.clone(), want.layers[i].values.clone())
+            for idx in (None, *range(len(config.layer_types))):
+                got_len, want_len = (_seq_length(c, idx) for c in (ours, want))
+                if got_len != want_len:
+                    return (f"the returned cache's get_seq_length({'' if idx is None else idx}) reads {got_len} "
+                            f"where stock's reads {want_len} after a {prompt}-token prompt")
+            step = {"input_ids": ids[:, prompt:], "use_cache": True}
+            got = model(**step, **{GENERATE_CACHE_KW: ours}).logits
+            ref = model(**step, **{GENERATE_CACHE_KW: want}).logits
+            if not torch.equal(got, ref):
+                return (f"a forward continuing the returned cache differs from one continuing stock's (max abs "
+                        f"difference {(got - ref).abs().max().item():.3g}) after a {prompt}-token prompt")
+    return None
+
+
+def _seq_length(cache, layer_idx):
+    try:
+        n = cache.get_seq_length() if layer_idx is None else cache.get_seq_length(layer_idx)
+    except (ValueError, IndexError) as err:  # 5.24 refuses a linear layer's index: the same refusal is the same answer
+        return f"{type(err).__name__}"
+    return int(n)
+
+
+_returned_cache_reason: list = []  # [reason] once probed
+
+
+def returned_cache_reason() -> str | None:
+    """Once a process: None when the stock cache the fused path returns behaves as stock's (``_probe_returned_cache``),
+    else why not; the fused path then does not run on this transformers (the model runs stock, announced)."""
+    if not _returned_cache_reason:
+        try:
+            reason = _probe_returned_cache()
+        except Exception as err:  # noqa: BLE001 - any failure of the probe is a difference from what it expects
+            reason = f"the returned-cache probe failed ({type(err).__name__}: {err})"
+        _returned_cache_reason.append(reason)
+    reason = _returned_cache_reason[0]
+    return None if reason is None else f"transformers {_VERSION} is not supported by the fused path: {reason}"
 
 
 # -- the private generate hooks ---------------------------------------------------------------------------------------
@@ -187,6 +306,7 @@ FUSED_GENERATION_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 # Stock functions that transformers swaps for flash-linear-attention / causal-conv1d kernels at import when those
 # packages are installed, whatever the device of the tensors. On CPU their plain-torch versions run instead.
 _STOCK_KERNEL_FNS = (
+    "causal_conv1d_forward",  # 5.25+: a Hub-kernel layer function (kernels' `use_kernel_forward_from_hub`)
     "torch_chunk_gated_delta_rule",
     "torch_recurrent_gated_delta_rule",
     "causal_conv1d_fn",

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from .fused_compat import STOCK_ROTARY_FORWARDS, Cache, cache_update_kwargs
+from .fused_compat import STOCK_ROTARY_FORWARDS, Cache, fill_attention_layer, fill_linear_layer
 from .fused_graphs import WeightsSnapshot, capture_graph
 from .fused_plan import FusedPlan
 
@@ -297,12 +297,10 @@ def stock_cache_from_state(text_model, state: "DecodeState", pad: int, length: i
     cache = DynamicCache(config=text_model.config)
     for i, layer in enumerate(text_model.layers[: text_model.config.num_hidden_layers]):
         if layer.block_type == "linear_attention":
-            m = layer.linear_attn
-            cache.update_conv_state(state.conv[i].clone(), i, conv_kernel_size=m.conv_kernel_size)
-            cache.update_recurrent_state(state.recurrent[i].clone(), i)
+            fill_linear_layer(cache, i, state.conv[i].clone(), state.recurrent[i].clone(),
+                              layer.linear_attn.conv_kernel_size, end - pad)
         else:
-            cache.update(state.keys[i][:, :, pad:end].clone(), state.values[i][:, :, pad:end].clone(), i,
-                         **cache_update_kwargs({}))
+            fill_attention_layer(cache, i, state.keys[i][:, :, pad:end].clone(), state.values[i][:, :, pad:end].clone())
     return cache
 
 
@@ -399,6 +397,17 @@ class FusedDecodeCache(Cache):
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
         return self._buffers().recurrent.get(layer_idx) if self._seq_len else None
+
+    # transformers 5.25's cache protocol, asked by stock's DeltaNet forward (a layer kind that runs stock code while
+    # the prefill writes into this cache): this cache records no per-token history and counts its tokens itself.
+    def is_recording_past(self, layer_idx: int | None = None) -> bool:
+        return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        pass
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Prefill: store the prompt's keys/values [B, KV, T, D] at [0, T) and hand them back unchanged."""

@@ -22,7 +22,7 @@ import torch
 from transformers.utils import logging
 
 from .configuration_qwen3_5_fused import resolve_switches
-from .fused_compat import GENERATE_HOOKS_REASON
+from .fused_compat import GENERATE_HOOKS_REASON, returned_cache_reason
 from .fused_ops import (
     gemv_late_signal_min_elems,
     kernels_available,
@@ -159,7 +159,7 @@ class FusedPlan:
             return f"the model is on {self.device.type}"
         if text_model.training:
             return "the model is in training mode"
-        return None
+        return returned_cache_reason()
 
     def _graphs(self) -> tuple[bool, str | None]:
         if self.reason is not None:

@@ -22,6 +22,8 @@ its :class:`FusedRunner` (``fused_runner``); the generate hooks here are thin: t
 cache and run the fused loop (``fused_generate``), and otherwise defer to stock.
 """
 
+import contextvars
+
 import torch
 from torch import nn
 from transformers import (
@@ -123,6 +125,24 @@ def _sync_switches(config) -> None:
             setattr(text_config, name, check_switch(name, getattr(config, name, None), allow_unset=True))
 
 
+# True inside `from_pretrained`, which decides the load's `use_kernels` from the switches the caller passed (applied
+# to the config only after the load): `set_use_kernels` then takes the value as it comes.
+_LOAD_DECIDED_HUB_KERNELS: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_load_hub_kernels", default=False)
+
+
+def _hub_kernels_off(requested) -> bool:
+    """transformers' Hub kernels (``use_kernels``; on by default from transformers 5.25) are not applied while the
+    fused kernels are on: the fused path already replaces every layer they would swap (the zero-centred and gated
+    RMSNorms, the Gated DeltaNet layer and its conv), and a swapped forward would bypass it. An explicit request is
+    answered in one log line; the default is not (nothing the user asked for is dropped). Returns False, the value
+    passed on to transformers."""
+    if requested:
+        announce("hub-kernels", "Qwen3.5 fused kernels: transformers' Hub kernels (use_kernels=True) are not applied "
+                 "while fused_kernels is on: the fused path replaces the layers they would swap. Load with "
+                 "fused_kernels=False to run stock's layers with Hub kernels instead.")
+    return False
+
+
 class _FusedPreTrainedMixin:
     """Shared by the public classes: load-time switches, the generate hooks, ``set_fused_kernels``, ``describe()``.
 
@@ -169,12 +189,15 @@ class _FusedPreTrainedMixin:
             cls._check_model_type(type("C", (), {"model_type": config_dict.get("model_type")}))
         elif config is not None and not isinstance(config, (str, bytes)):
             cls._check_model_type(config)
+        source = config if config is not None and not isinstance(config, (str, bytes)) else None
+        stated = getattr(source, "fused_kernels", None) if source is not None else (config_dict or {}).get(
+            "fused_kernels")
+        fused_on = resolve_switch(type("C", (), {"fused_kernels": overrides.get("fused_kernels", stated)}),
+                                  "fused_kernels")
+        if fused_on:
+            kwargs["use_kernels"] = _hub_kernels_off(kwargs.get("use_kernels"))
         if _tensor_parallel_requested(kwargs):
-            source = config if config is not None and not isinstance(config, (str, bytes)) else None
-            stated = getattr(source, "fused_kernels", None) if source is not None else (config_dict or {}).get(
-                "fused_kernels")
-            probe = type("C", (), {"fused_kernels": overrides.get("fused_kernels", stated)})
-            if resolve_switch(probe, "fused_kernels"):
+            if fused_on:
                 raise ValueError(
                     "Tensor parallel loading (tp_plan / tp_size / distributed_config) is not supported with "
                     "fused_kernels=True: the fused path packs q/k/v, qkv/z/b/a and gate/up into one matrix each and "
@@ -182,12 +205,23 @@ class _FusedPreTrainedMixin:
                     "fused_kernels=False to use the stock tensor-parallel plan, use device_map='auto' to spread "
                     "layers over GPUs with the fused kernels, or serve the checkpoint with vLLM / SGLang."
                 )
-        out = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        token = _LOAD_DECIDED_HUB_KERNELS.set(True)  # the load's use_kernels is decided above: passed on as it is
+        try:
+            out = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        finally:
+            _LOAD_DECIDED_HUB_KERNELS.reset(token)
         model = out[0] if isinstance(out, tuple) else out
         for name, value in overrides.items():
             setattr(model.config, name, value)
         model._refresh_fused()
         return out
+
+    def set_use_kernels(self, use_kernels, *args, **kwargs):
+        # transformers' Hub kernels (`kernelize`) swap the forward of stock layer classes ours subclass: they would
+        # bypass the fused path, and the fused prefill's writes into the decode buffers with it. Off while fused.
+        if use_kernels and not _LOAD_DECIDED_HUB_KERNELS.get() and resolve_switch(self.config, "fused_kernels"):
+            use_kernels = _hub_kernels_off(use_kernels)
+        return super().set_use_kernels(use_kernels, *args, **kwargs)
 
     # -- generate ----------------------------------------------------------------------------------------------------
 
