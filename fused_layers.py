@@ -38,6 +38,7 @@ from .fused_compat import (
     cached_recurrent_state,
     cache_update_kwargs,
     eager_attention_forward,
+    is_recording_past,
     pop_cache,
     stock,
     stock_call,
@@ -223,14 +224,39 @@ class FusedAttention(_FusedModule, Qwen3_5Attention):
         )
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, **cache_update_kwargs(kwargs))
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        implementation = self.config._attn_implementation
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+        module = self
+        if implementation == "sdpa" and attention_mask is not None and key.shape[1] == 1 < query.shape[1]:
+            key, value, module = _repeated_single_kv_head(key, value, query.shape[1], self.is_causal)
         attn_output, attn_weights = attention_interface(
-            self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+            module, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
         )
         attn_output = ops.sigmoid_gate_mul(attn_output.view(batch, seq_len, -1, self.head_dim), gate)
         return self.o_proj(attn_output), attn_weights
+
+
+class _Ungrouped:
+    """What stock's SDPA wrapper reads of an attention module, for keys / values already repeated to the query heads
+    (no grouping left for it to do)."""
+
+    num_key_value_groups = 1
+
+    def __init__(self, is_causal: bool):
+        self.is_causal = is_causal
+
+
+def _repeated_single_kv_head(key, value, heads: int, is_causal: bool):
+    """``key`` / ``value`` [B, 1, L, D] copied out to [B, heads, L, D], and the module stand-in to call SDPA with.
+
+    With one key/value head, stock's ``repeat_kv`` is a view whose head stride is 0, and PyTorch's memory-efficient
+    SDPA kernel (what a masked fp32 / 16-bit call runs on CUDA) returns wrong values for such keys / values when the
+    key length is 1 mod 32 (pytorch/pytorch#191937): on the H200, torch 2.11, 8 query heads over 1 of 64, a 65-token
+    padded fp32 batch, the last query's output was 400% off the float64 answer (stock's own logits there 67-100%
+    off); with the heads copied out, 4.3e-7. Stock transformers runs into it at those lengths; the fused path does
+    not (its buckets are multiples of 64, and at any other length this copy keeps it right)."""
+    shape = (key.shape[0], heads, *key.shape[2:])
+    return key.expand(shape).contiguous(), value.expand(shape).contiguous(), _Ungrouped(is_causal)
 
 
 class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
@@ -255,8 +281,11 @@ class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
     def forward(self, hidden_states, *args, **kwargs):
         if self.plan.runs(self._fused_kind):
             cache = kwargs.get(DELTANET_CACHE_KW, args[0] if args else None)
-            attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-            return self._fused_forward(hidden_states, cache, attention_mask)
+            if cache is None or not is_recording_past(cache, self.layer_idx):
+                attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+                return self._fused_forward(hidden_states, cache, attention_mask)
+            self.plan.fallback(self._fused_kind, "the cache records every token's state (assisted decoding), "
+                               "which the fused forward does not keep")
         return stock_call(super().forward, hidden_states, *args, **kwargs)
 
     def _fused_forward(self, hidden_states, cache, attention_mask):

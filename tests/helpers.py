@@ -326,8 +326,24 @@ def assert_initialized_like_stock(stock, fused):
             assert p.numel() < 256 or abs(q.std().item() / p.std().item() - 1) < 0.25, (name, q.std(), p.std())
 
 
+@contextlib.contextmanager
+def exact_sdpa():
+    """SDPA through PyTorch's math backend inside the block (on a GPU; nothing changes on CPU). The memory-efficient
+    backend, which a masked fp32 call takes on CUDA, returns wrong values for the stride-0 keys / values that stock's
+    `repeat_kv` makes of a single key/value head at key lengths 1 mod 32 (pytorch/pytorch#191937; fused_layers'
+    `_repeated_single_kv_head`): stock's own attention is then not the reference."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        yield
+
+
 def ieee_stock(model):
-    """`model`, a stock Qwen3.5, made to run stock's own torch DeltaNet code (the fp32 reference of the CUDA tests).
+    """`model`, a stock Qwen3.5, made to run stock's own torch DeltaNet code and its attention through SDPA's math
+    backend (`exact_sdpa`): the fp32 reference of the CUDA tests.
 
     With fla installed, stock transformers runs fla's chunked delta rule, whose dots are TF32 even on fp32 inputs:
     8.7e-4 (relative logit error) from stock's torch rule on a 4-layer random model (H200, 2026-11-30), 40x the fp32
@@ -337,7 +353,7 @@ def ieee_stock(model):
     forward = model.forward
 
     def ieee_forward(*args, **kwargs):
-        with compat.torch_reference_kernels():
+        with compat.torch_reference_kernels(), exact_sdpa():
             return forward(*args, **kwargs)
 
     model.forward = ieee_forward

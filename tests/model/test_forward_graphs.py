@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import compat, graphs, layers, runner_mod  # the repo modules these tests reach into
-from helpers import BOUNDS, cache_of, cuda_pair, new_weights, rel_err, run_stock, stock_and_fused_lm
+from helpers import BOUNDS, cache_of, cuda_pair, new_weights, padded_batch, rel_err, run_stock, stock_and_fused_lm
 from helpers import cpu_emulated, fused_on_cpu  # noqa: F401 - the fixture, used by every @cpu_emulated test
 
 EMULATED_BOUND = BOUNDS["cpu_emulation"]
@@ -438,3 +438,61 @@ def test_masked_replay_matches_stock(dtype, seq_len, kind):
     for out in outs[1:]:
         assert torch.isfinite(out.logits[valid]).all()
         assert rel_err(out.logits[valid].float(), ref.logits[valid].float()) <= BOUND[dtype]
+
+
+# Issue 43's smallest seed: one key/value head under 8 query heads of 64, a left-padded batch. Stock's `repeat_kv`
+# hands SDPA a stride-0 view of that head, which PyTorch's memory-efficient kernel gets wrong at key lengths 1 mod 32
+# (pytorch/pytorch#191937): stock's default logits at the last position were 67-100% off on the H200. The reference
+# here is stock under SDPA's math backend (`cuda_pair` -> `exact_sdpa`).
+SINGLE_KV_HEAD = dict(hidden_size=32, intermediate_size=96, num_attention_heads=8, num_key_value_heads=1, head_dim=64,
+                      linear_num_key_heads=1, linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                       "mrope_section": [4, 2, 2], "mrope_interleaved": True})
+
+
+def _last_position_errors(got, want, mask):
+    """The relative error of each row's logits at its last (real) position."""
+    return [rel_err(got[b, -1], want[b, -1]) for b in range(mask.shape[0])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("seq_len", [65, 97, 129, 513], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("path", ["bucketed", "eager"])
+@pytest.mark.cuda
+def test_single_kv_head_padded_batch_last_position(dtype, seq_len, path):
+    """The last position of every row of a padded batch, bucketed (left-padded to a multiple of 64) and eager (at the
+    input's own length, as `output_hidden_states=True` runs it): within bound of the exact answer."""
+    stock, fused = cuda_pair(dtype, **SINGLE_KV_HEAD)
+    ids, mask = (t.cuda() for t in padded_batch(3, seq_len, "left"))
+    extra = {"output_hidden_states": True} if path == "eager" else {}
+    with torch.inference_mode():
+        want = stock(input_ids=ids, attention_mask=mask).logits
+        got = [fused(input_ids=ids, attention_mask=mask, **extra).logits for _ in range(3)]  # eager, capture, replay
+    for out in got:
+        errs = _last_position_errors(out.float(), want.float(), mask)
+        assert max(errs) <= BOUND[dtype], errs
+        assert rel_err(out[mask.bool()].float(), want[mask.bool()].float()) <= BOUND[dtype]
+
+
+@cpu_emulated
+def test_single_kv_head_reaches_sdpa_copied_out(monkeypatch):
+    """With one key/value head and a mask, SDPA gets the keys / values copied out to every query head (no stride-0
+    view, see `_repeated_single_kv_head`), and the logits are stock's."""
+    import torch.nn.functional as F
+
+    stock, fused = stock_and_fused_lm(**SINGLE_KV_HEAD)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.shape[1], k.shape[1], k.stride(1), v.stride(1)))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    ids, mask = padded_batch(2, 65, "left")
+    with torch.no_grad():
+        want = run_stock(stock, input_ids=ids, attention_mask=mask).logits
+        monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+        got = fused(input_ids=ids, attention_mask=mask).logits
+    assert seen and all(kh == qh == 8 and ks > 0 and vs > 0 for qh, kh, ks, vs in seen), seen
+    assert rel_err(got[mask.bool()], want[mask.bool()]) <= EMULATED_BOUND

@@ -1,0 +1,641 @@
+"""Differential search: the fused classes against stock transformers over randomly drawn configs, weights and calls.
+
+    # the H200 run of the issue: dense and MoE, fp32 / bf16 / fp16, 30 minutes
+    python scripts/fuzz_vs_stock.py --minutes 30
+    # CPU: the emulated fused path (the kernels' torch references) against stock, a fixed number of cases
+    python scripts/fuzz_vs_stock.py --device cpu --cases 40 --seed 1
+    # one case again, as a failure prints it (its shrunk form when the shrinker found one)
+    python scripts/fuzz_vs_stock.py --replay '{"seed": 17, ...}'
+    # the CPU emulation of the GPU path against the GPU path itself, on the same cases (GPU only)
+    python scripts/fuzz_vs_stock.py --minutes 5 --emulation-check
+
+Each case is drawn from a seed (`draw_case`): a config (dense or MoE; hidden size, attention and linear-attention
+head counts and dims, layer pattern, vocabulary, tied or untied embeddings, experts), weights with realistic spreads
+(norm weights, `A_log`, `dt_bias`, gate / beta projection scales, conv taps: several paths diverge only with larger
+gates or decays), a dtype and one call: a forward (padding side and amount, lengths at every bucket, chunk and tile
+edge, `logits_to_keep`, explicit position ids, `output_hidden_states`, `use_cache`), a forward continuing the cache
+it returned, or `generate` (greedy, or sampling from a seed, with padding and stop tokens). Stock and fused run on the
+same weights in one process and everything a user sees is compared (`run_case`): the logits of every real position
+(each position on its own, so a fault at one position is not diluted by the others), hidden states, the returned
+cache's states and length, generated tokens.
+
+Bounds (`docs/DESIGN.md`, "How correctness is established"): fp32 against stock's IEEE torch code, per position,
+`FP32_BOUND` (the model bound of the CUDA tests); bf16 / fp16 against the float32 answer on the same weights: the
+fused error at most `LOW_PRECISION_FACTOR` x stock's own error there, or within the CUDA tests' model bound of stock.
+Greedy tokens must agree exactly in fp32; in 16 bits they may part only where stock's own two candidates are within
+its rounding error of each other. A failure is shrunk (`shrink`: fewer layers, smaller sizes, shorter inputs, while
+it still fails) and printed as one command that reproduces it; the run ends with the cases per minute and the
+coverage of what it drew.
+"""
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.common import import_module, import_repo  # noqa: E402
+
+configuration, modeling, _ = import_repo()
+compat = import_module("fused_compat")
+plan_mod = import_module("fused_plan")
+graphs = import_module("fused_graphs")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp32, per real position: fused against stock's IEEE torch code (the CUDA tests' "model" bound: fp32 ulps over a
+# few layers); the CPU emulation runs the same references as stock, so its bound is the emulation's.
+FP32_BOUND = {"cuda": 2e-5, "cpu": 1e-5}
+# bf16 / fp16: the fused path's error from the float32 answer may be at most this multiple of stock's own error
+# there (stock rounds after every op, the fused kernels once per fused op: the two errors differ, neither is 0) ...
+LOW_PRECISION_FACTOR = 2.0
+# ... or within the CUDA tests' model bound of stock itself.
+LOW_PRECISION_BOUND = {torch.bfloat16: 1.5e-2, torch.float16: 1.5e-2}
+
+# Lengths at the edges the fused path cares about: the 64-token forward buckets and their 1/8 steps, fla's 64-token
+# chunks, deltanet_prep's 32- and 16-token tiles, the decode buckets (256 and powers of two), and one past each.
+EDGES = sorted({t + d for t in (16, 32, 64, 96, 128, 192, 256, 320, 384, 512, 640) for d in (-1, 0, 1)} | {1, 2, 3})
+CALL_KINDS = ("forward", "forward_padded", "forward_cache", "continue", "hidden_states", "generate", "sample")
+
+
+# -- drawing -----------------------------------------------------------------------------------------------------
+
+
+def _rope(head_dim: int) -> dict:
+    """Stock's interleaved mRoPE over a quarter of the head (sections t / h / w as the real models split them)."""
+    half = max(1, head_dim // 8)
+    third = half // 3
+    return {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+            "mrope_section": [half - 2 * third, third, third], "mrope_interleaved": True}
+
+
+def draw_config(rng: random.Random, moe: bool) -> dict:
+    """Text-config kwargs of a small random Qwen3.5 (MoE when ``moe``)."""
+    heads = rng.choice([1, 2, 4, 8])
+    head_dim = rng.choice([32, 64, 128, 256])
+    k_heads = rng.choice([1, 2, 4])
+    layers = rng.choice([1, 2, 3, 4, 5, 6])
+    pattern = rng.choice(["real", "random", "full"])
+    if pattern == "real":  # 3 linear : 1 full, as every released Qwen3.5 (the last layer full when fewer than 4)
+        types = ["full_attention" if i % 4 == 3 or i == layers - 1 else "linear_attention" for i in range(layers)]
+    elif pattern == "random":  # at least one full-attention layer: stock's cache needs one to tell its length
+        types = [rng.choice(["linear_attention", "full_attention"]) for _ in range(layers)]
+        types[rng.randrange(layers)] = "full_attention"
+    else:
+        types = ["full_attention"] * layers
+    kw = dict(
+        vocab_size=rng.choice([64, 256, 1024]), hidden_size=rng.choice([32, 48, 64, 96, 128]),
+        num_hidden_layers=layers, layer_types=types, num_attention_heads=heads,
+        num_key_value_heads=rng.choice([d for d in (1, 2, 4, 8) if heads % d == 0]), head_dim=head_dim,
+        rope_parameters=_rope(head_dim), linear_num_key_heads=k_heads,
+        linear_num_value_heads=k_heads * rng.choice([1, 2, 4]), linear_key_head_dim=rng.choice([16, 32, 64, 128]),
+        linear_value_head_dim=rng.choice([16, 32, 64, 128]), linear_conv_kernel_dim=4,
+        tie_word_embeddings=rng.random() < 0.5, max_position_embeddings=4096, rms_norm_eps=1e-6,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    if moe:
+        experts = rng.choice([4, 8, 16])
+        kw.update(num_experts=experts, num_experts_per_tok=rng.choice([k for k in (1, 2, 4, 8) if k <= experts]),
+                  moe_intermediate_size=rng.choice([16, 32, 48]),
+                  shared_expert_intermediate_size=rng.choice([16, 32, 64]))
+    else:
+        kw["intermediate_size"] = rng.choice([32, 64, 96, 160])
+    return kw
+
+
+def draw_weights(rng: random.Random) -> dict:
+    """Spreads of the weights a random init leaves narrow (``apply_spreads``)."""
+    return {"norm": rng.choice([0.0, 0.1, 0.5]), "proj": rng.choice([0.5, 1.0, 2.0]),
+            "gate": rng.choice([0.5, 1.0, 3.0]), "decay": rng.choice([0.25, 1.0, 4.0]),
+            "conv": rng.choice([1.0, 3.0])}
+
+
+def draw_length(rng: random.Random, max_len: int) -> int:
+    return rng.choice([t for t in EDGES if t <= max_len]) if rng.random() < 0.7 else rng.randint(1, max_len)
+
+
+def draw_call(rng: random.Random, max_len: int, kinds=CALL_KINDS, dtype: str = "fp32") -> dict:
+    kind = rng.choice(kinds)
+    if kind == "sample" and dtype != "fp32":  # a 16-bit rounding moves a sampled draw: greedy checks those values
+        kind = "generate"
+    batch = rng.choice([1, 2, 3, 4])
+    length = draw_length(rng, max_len)
+    side = rng.choice(["left", "right", None]) if kind != "forward" else None
+    if kind in ("generate", "sample", "continue"):
+        side = rng.choice(["left", None])  # generate pads on the left
+    call = {"kind": kind, "batch": batch, "length": length, "padding": side, "data_seed": rng.randrange(1 << 30)}
+    if kind in ("forward", "forward_padded"):
+        call["logits_to_keep"] = rng.choice([0, 0, 1, 3])
+        call["position_ids"] = rng.random() < 0.2
+        call["use_cache"] = rng.choice([False, None])  # None: the config's (True), as `model(**inputs)` runs
+    if kind == "continue":
+        call["more"] = rng.choice([1, 1, 2, 5])
+    if kind in ("generate", "sample"):
+        call["new_tokens"] = rng.choice([1, 4, 16])
+        call["stop_token"] = rng.random() < 0.3
+    return call
+
+
+def draw_case(seed: int, device: str, dtypes=tuple(DTYPES), moe: float = 0.3, max_len: int = 700,
+              kinds=CALL_KINDS) -> dict:
+    """The case of ``seed``: everything ``run_case`` needs, as plain JSON values (so it can be printed and replayed)."""
+    rng = random.Random(seed)
+    is_moe = rng.random() < moe
+    dtype = rng.choice(list(dtypes))
+    return {"seed": seed, "device": device, "dtype": dtype, "moe": is_moe, "config": draw_config(rng, is_moe),
+            "weights": draw_weights(rng), "call": draw_call(rng, max_len, kinds, dtype)}
+
+
+# -- building ----------------------------------------------------------------------------------------------------
+
+
+def apply_spreads(model, spreads: dict, seed: int) -> None:
+    """Widen the weights a random init leaves narrow: zero-centred norm weights, the gate and beta projections
+    (``in_proj_a`` / ``in_proj_b``), ``A_log`` (decay rate) and ``dt_bias``, the conv taps, all projections."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            r = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight") and "linear_attn.norm" not in name:
+                p.copy_(r * spreads["norm"])  # stock's (1 + w)
+            elif "linear_attn.norm" in name:
+                p.copy_(1 + r * spreads["norm"])  # the gated norm's plain w
+            elif leaf == "A_log":
+                p.copy_(torch.log(torch.rand(p.shape, generator=g) * 16 * spreads["decay"] + 1e-3))
+            elif leaf == "dt_bias":
+                p.copy_(r * spreads["gate"])
+            elif "in_proj_a" in name or "in_proj_b" in name:
+                p.mul_(spreads["gate"])
+            elif "conv1d" in name:
+                p.mul_(spreads["conv"])
+            elif p.dim() == 2 and "embed" not in name:
+                p.mul_(spreads["proj"])
+
+
+def build_pair(case: dict, device: torch.device):
+    """Stock and fused models on the same weights, in the case's dtype on ``device``, plus the float32 stock answer
+    (16-bit cases only). Stock runs its IEEE torch DeltaNet in fp32 (fla's chunked rule is TF32)."""
+    from transformers import (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig,
+                              Qwen3_5TextConfig)
+
+    kw = dict(case["config"])
+    torch.manual_seed(case["seed"])
+    if case["moe"]:
+        kw.setdefault("experts_implementation", "eager")
+        stock = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**kw))
+        fused_cls, fused_cfg = modeling.Qwen3_5MoeFusedForCausalLM, configuration.Qwen3_5MoeFusedTextConfig
+    else:
+        stock = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**kw))
+        fused_cls, fused_cfg = modeling.Qwen3_5FusedForCausalLM, configuration.Qwen3_5FusedTextConfig
+    apply_spreads(stock, case["weights"], case["seed"])
+    fused = fused_cls(fused_cfg(**kw, fused_kernels=True))
+    fused.load_state_dict(stock.state_dict(), strict=True)
+    dtype = DTYPES[case["dtype"]]
+    ref = None
+    if dtype != torch.float32:
+        ref = copy.deepcopy(stock).to(device).eval()
+    return stock.to(device, dtype).eval(), fused.to(device, dtype).eval(), ref
+
+
+@contextlib.contextmanager
+def stock_reference(ieee: bool):
+    """With ``ieee`` (fp32, and the float32 answer): stock's own torch DeltaNet code (fla's chunked rule is TF32; on
+    CPU also what runs without fla's Triton kernels) and its attention through SDPA's math backend on a GPU (the
+    memory-efficient one is wrong for stock's stride-0 single-head keys at key lengths 1 mod 32,
+    pytorch/pytorch#191937). Else stock as it runs (16 bits on the GPU: fla, and whatever SDPA picks)."""
+    if not ieee:
+        yield
+        return
+    with compat.torch_reference_kernels(), contextlib.ExitStack() as stack:
+        if torch.cuda.is_available():
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        yield
+
+
+def make_inputs(call: dict, vocab: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(call["data_seed"])
+    B, T = call["batch"], call["length"]
+    ids = torch.randint(3, vocab, (B, T), generator=g)
+    mask = None
+    if call["padding"] is not None:
+        mask = torch.ones(B, T, dtype=torch.long)
+        for row in range(1, B):  # row 0 stays whole
+            pad = int(torch.randint(0, T, (1,), generator=g))
+            if call["padding"] == "left":
+                mask[row, :pad] = 0
+            else:
+                mask[row, T - pad:] = 0
+            ids[row][mask[row] == 0] = 0
+    return ids.to(device), None if mask is None else mask.to(device)
+
+
+# -- comparing ---------------------------------------------------------------------------------------------------
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def per_position_err(got: torch.Tensor, want: torch.Tensor, real: torch.Tensor | None) -> tuple[float, tuple]:
+    """The largest relative error of one position's vector ([B, T, N] tensors; ``real`` [B, T] marks the positions
+    compared), and where it is (row, position)."""
+    g, w = got.detach().double().cpu(), want.detach().double().cpu()
+    err = (g - w).norm(dim=-1) / w.norm(dim=-1).clamp_min(1e-30)
+    if real is not None:
+        err = err * real.cpu().to(err.dtype)
+    flat = int(err.argmax())
+    return float(err.flatten()[flat]), divmod(flat, err.shape[1])
+
+
+class Compare:
+    """Collects the checks of one case: each a name, the measured error, its bound, and where."""
+
+    def __init__(self, case: dict, device: torch.device):
+        self.case, self.device = case, device
+        self.dtype = DTYPES[case["dtype"]]
+        self.failures: list[str] = []
+        self.checks = 0
+
+    def values(self, name: str, got, want, ref=None, real=None, whole: bool = False) -> None:
+        """``got`` (fused) against ``want`` (stock), per position ([B, T, N]; ``whole``: over the whole tensor, for
+        cache states); in 16 bits also both against ``ref`` (the float32 answer): passes when within the 16-bit bound
+        of stock, or no worse than ``LOW_PRECISION_FACTOR`` x stock's own error from the float32 answer."""
+        self.checks += 1
+        if got.shape != want.shape:
+            self.failures.append(f"{name}: shape {tuple(got.shape)} != stock's {tuple(want.shape)}")
+            return
+        if not torch.isfinite(got).all() and torch.isfinite(want).all():
+            self.failures.append(f"{name}: non-finite values where stock's are finite")
+            return
+        if whole:  # one vector: the whole tensor
+            got, want, ref = (None if t is None else t.reshape(1, 1, -1) for t in (got, want, ref))
+        elif got.dim() == 2:
+            got, want, ref = got[None], want[None], None if ref is None else ref[None]
+        err, at = per_position_err(got, want, real)
+        if self.dtype == torch.float32:
+            bound = FP32_BOUND[self.device.type]
+            if err > bound:
+                self.failures.append(f"{name}: rel. error {err:.3g} at (row, position) {at} > {bound:g}")
+            return
+        if err <= LOW_PRECISION_BOUND[self.dtype]:
+            return
+        fused_err, _ = per_position_err(got.float(), ref.float(), real)
+        stock_err, _ = per_position_err(want.float(), ref.float(), real)
+        if fused_err > LOW_PRECISION_FACTOR * stock_err:
+            self.failures.append(f"{name}: {err:.3g} from stock at {at}; from the fp32 answer fused {fused_err:.3g} > "
+                                 f"{LOW_PRECISION_FACTOR:g} x stock's {stock_err:.3g}")
+
+    def tokens(self, name: str, got: torch.Tensor, want: torch.Tensor, step_logits=None) -> None:
+        """Generated tokens: equal in fp32; in 16 bits they may part only at a step whose logits pass ``values``
+        (``step_logits(row, position)``: fused, stock and float32-answer logits [1, 1, vocab] over the common
+        prefix)."""
+        self.checks += 1
+        if got.shape != want.shape:
+            self.failures.append(f"{name}: {tuple(got.shape)} tokens, stock {tuple(want.shape)}")
+            return
+        diff = (got != want).nonzero()
+        if diff.numel() == 0:
+            return
+        row, pos = (int(v) for v in diff[0])
+        if self.dtype != torch.float32 and step_logits is not None:  # a failure only if those logits fail
+            self.values(f"{name}: logits where row {row} parts from stock (position {pos})", *step_logits(row, pos))
+            return
+        self.failures.append(f"{name}: row {row} parts from stock at position {pos} ({int(got[row, pos])} vs "
+                             f"{int(want[row, pos])})")
+
+    def equal(self, name: str, got, want) -> None:
+        self.checks += 1
+        if got != want:
+            self.failures.append(f"{name}: {got!r} != stock's {want!r}")
+
+
+def _cache_states(cache, types):
+    out = []
+    for i, kind in enumerate(types):
+        layer = cache.layers[i]
+        if kind == "linear_attention":
+            out += [(f"layer {i} conv", layer.conv_states[0]), (f"layer {i} recurrent", layer.recurrent_states[0])]
+        else:
+            out += [(f"layer {i} keys", layer.keys), (f"layer {i} values", layer.values)]
+    return out
+
+
+class StockRefuses(Exception):
+    """Stock raised on the case's call: the case is not a valid call, so it compares nothing."""
+
+
+# -- running -----------------------------------------------------------------------------------------------------
+
+
+def run_case(case: dict) -> list[str]:
+    """Run one case (stock and fused on the same weights and inputs); returns the failures (empty: it passed)."""
+    device = torch.device(case["device"])
+    plan_mod.EMULATE_ON_CPU = device.type == "cpu"
+    stock, fused, ref = build_pair(case, device)
+    if not fused.fused_plan.fused:
+        return [f"the fused path does not run: {fused.fused_plan.reason}"]
+    call, types = case["call"], case["config"]["layer_types"]
+    check = Compare(case, device)
+    ids, mask = make_inputs(call, case["config"]["vocab_size"], device)
+    real = None if mask is None else mask.bool()
+    kind = call["kind"]
+    cache_kw = compat.GENERATE_CACHE_KW
+
+    ieee = check.dtype == torch.float32 or device.type == "cpu"
+
+    def both(fn):
+        with torch.inference_mode():
+            with stock_reference(ieee):
+                try:
+                    want = fn(stock)
+                except Exception as err:  # noqa: BLE001 - not a valid call: nothing to compare
+                    raise StockRefuses(f"{type(err).__name__}: {err}") from err
+            with stock_reference(True):
+                answer = fn(ref) if ref is not None else None
+            return fn(fused), want, answer
+
+    if kind in ("forward", "forward_padded", "hidden_states"):
+        kw = {"input_ids": ids, "attention_mask": mask, "use_cache": call.get("use_cache", False)}
+        keep = call.get("logits_to_keep", 0)
+        if keep:
+            kw["logits_to_keep"] = keep
+        if call.get("position_ids"):
+            kw["position_ids"] = torch.arange(ids.shape[1], device=device).expand_as(ids) + 3
+        if kind == "hidden_states":
+            kw["output_hidden_states"] = True
+        got, want, answer = both(lambda m: m(**kw))
+        sel = real if not keep or real is None else real[:, -keep:]
+        check.values("logits", got.logits, want.logits, None if answer is None else answer.logits, sel)
+        if kind == "hidden_states":
+            check.equal("hidden states returned", len(got.hidden_states), len(want.hidden_states))
+            for i, (g, w) in enumerate(zip(got.hidden_states, want.hidden_states)):
+                a = None if answer is None else answer.hidden_states[i]
+                check.values(f"hidden state {i}", g, w, a, real)
+    elif kind in ("forward_cache", "continue"):
+        kw = {"input_ids": ids, "attention_mask": mask, "use_cache": True}
+        got, want, answer = both(lambda m: m(**kw))
+        check.values("logits", got.logits, want.logits, None if answer is None else answer.logits, real)
+        gc, wc = (getattr(o, compat.OUTPUT_CACHE_FIELD) for o in (got, want))
+        check.equal("cache length", compat._seq_length(gc, None), compat._seq_length(wc, None))
+        ac = None if answer is None else getattr(answer, compat.OUTPUT_CACHE_FIELD)
+        for (name, g), (_, w), a in zip(_cache_states(gc, types), _cache_states(wc, types),
+                                        _cache_states(ac, types) if ac is not None else [(None, None)] * 99):
+            check.values(name, g, w, a[1], whole=True)
+        if kind == "continue":
+            g2 = torch.Generator().manual_seed(call["data_seed"] + 1)
+            more = torch.randint(3, case["config"]["vocab_size"], (ids.shape[0], call["more"]), generator=g2)
+            more = more.to(device)
+            mask2 = None if mask is None else torch.cat([mask, torch.ones_like(more)], 1)
+            caches = {id(fused): gc, id(stock): wc}
+            if ref is not None:
+                caches[id(ref)] = ac
+
+            def step(m):
+                return m(input_ids=more, attention_mask=mask2, use_cache=True, **{cache_kw: caches[id(m)]})
+
+            got, want, answer = both(step)
+            check.values("continued logits", got.logits, want.logits, None if answer is None else answer.logits)
+    else:  # generate / sample
+        kw = {"input_ids": ids, "attention_mask": mask if mask is not None else torch.ones_like(ids),
+              "max_new_tokens": call["new_tokens"], "do_sample": kind == "sample", "pad_token_id": 0}
+        if call.get("stop_token"):
+            kw["eos_token_id"] = int(ids[0, -1]) % case["config"]["vocab_size"]
+        if kind == "sample":
+            kw.update(top_k=0, temperature=1.0)
+
+        def gen(m):
+            torch.manual_seed(call["data_seed"])
+            return m.generate(**kw)
+
+        got, want, _ = both(gen)
+
+        def step_logits(row, pos):
+            """The three models' next-token logits after the prefix the rows share up to ``pos``."""
+            seq = want[row:row + 1, :pos]
+            seq_mask = torch.cat([kw["attention_mask"][row:row + 1], torch.ones_like(seq[:, ids.shape[1]:])], 1)
+            got, want_, answer = both(lambda m: m(input_ids=seq, attention_mask=seq_mask, use_cache=False))
+            return got.logits[:, -1:], want_.logits[:, -1:], answer.logits[:, -1:]
+
+        check.tokens("generated tokens", got, want, step_logits)
+    return check.failures
+
+
+# -- shrinking ---------------------------------------------------------------------------------------------------
+
+
+def _shrinks(case: dict):
+    """Smaller cases to try, most reducing first."""
+    cfg, call = case["config"], case["call"]
+    layers = cfg["num_hidden_layers"]
+    for i in range(layers):
+        if layers > 1:
+            c = copy.deepcopy(case)
+            c["config"]["layer_types"].pop(i)
+            c["config"]["num_hidden_layers"] -= 1
+            if "full_attention" in c["config"]["layer_types"]:
+                yield c
+    for key, smaller in (("batch", lambda b: b - 1), ("more", lambda m: 1), ("new_tokens", lambda n: max(1, n // 2))):
+        if call.get(key, 1) > 1:
+            c = copy.deepcopy(case)
+            c["call"][key] = smaller(call[key])
+            yield c
+    for key in ("hidden_size", "intermediate_size", "vocab_size", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "num_experts"):
+        if cfg.get(key, 0) > 16 and not (key == "num_experts" and cfg[key] // 2 < cfg.get("num_experts_per_tok", 0)):
+            c = copy.deepcopy(case)
+            c["config"][key] //= 2
+            yield c
+    for key, floor in (("linear_num_value_heads", cfg["linear_num_key_heads"]), ("num_attention_heads", 1),
+                       ("linear_key_head_dim", 16), ("linear_value_head_dim", 16)):
+        if cfg[key] > floor:
+            c = copy.deepcopy(case)
+            c["config"][key] //= 2
+            if key == "num_attention_heads":
+                c["config"]["num_key_value_heads"] = min(cfg["num_key_value_heads"], c["config"][key])
+            if key == "linear_num_value_heads" and c["config"][key] % cfg["linear_num_key_heads"]:
+                continue
+            yield c
+    if call["length"] > 64:  # shorter, keeping the length's place in its 64-token chunk
+        c = copy.deepcopy(case)
+        c["call"]["length"] -= 64
+        yield c
+
+
+def shrink(case: dict, failures: list[str], budget: int = 40, log=print) -> tuple[dict, list[str]]:
+    """Greedy shrinking: take the first smaller case that still fails, until none does (or ``budget`` runs)."""
+    runs = 0
+    improved = True
+    while improved and runs < budget:
+        improved = False
+        for smaller in _shrinks(case):
+            runs += 1
+            try:
+                got = run_case(smaller)
+            except StockRefuses:
+                got = []
+            except Exception as err:  # noqa: BLE001 - an exception is a failure too
+                got = [f"raised {type(err).__name__}: {err}"]
+            if got and _check_name(got[0]) == _check_name(failures[0]):  # the same check still fails
+                case, failures, improved = smaller, got, True
+                log(f"  shrunk: {describe(case)}")
+                break
+            if runs >= budget:
+                break
+    return case, failures
+
+
+def _check_name(failure: str) -> str:
+    return failure.split(":", 1)[0]
+
+
+# -- the run -----------------------------------------------------------------------------------------------------
+
+
+def describe(case: dict) -> str:
+    c, call = case["config"], case["call"]
+    heads = f"H{c['num_attention_heads']}/{c['num_key_value_heads']}x{c['head_dim']}"
+    lin = (f"lin{c['linear_num_key_heads']}:{c['linear_num_value_heads']}x{c['linear_key_head_dim']}/"
+           f"{c['linear_value_head_dim']}")
+    layers = "".join("L" if t == "linear_attention" else "F" for t in c["layer_types"])
+    moe = f" E{c['num_experts']}k{c['num_experts_per_tok']}" if case["moe"] else ""
+    return (f"seed {case['seed']} {case['dtype']} {call['kind']} B{call['batch']} T{call['length']} "
+            f"pad={call['padding']} d{c['hidden_size']} {heads} {lin} {layers}{moe}")
+
+
+def replay_command(case: dict) -> str:
+    return f"python scripts/fuzz_vs_stock.py --replay '{json.dumps(case, separators=(',', ':'))}'"
+
+
+def coverage_table(cases: list[dict]) -> str:
+    """What the run drew: lengths by their place in a 64-token chunk, head counts, dtypes, call kinds, MoE."""
+    def place(t):
+        r = t % 64
+        return {0: "0 (edge)", 1: "1 (edge+1)", 63: "63 (edge-1)"}.get(r, "other")
+
+    rows = {
+        "length mod 64": Counter(place(c["call"]["length"]) for c in cases),
+        "attention heads / kv": Counter(f"{c['config']['num_attention_heads']}/{c['config']['num_key_value_heads']}"
+                                        for c in cases),
+        "linear heads k:v": Counter(f"{c['config']['linear_num_key_heads']}:{c['config']['linear_num_value_heads']}"
+                                    for c in cases),
+        "dtype": Counter(c["dtype"] for c in cases),
+        "call": Counter(c["call"]["kind"] for c in cases),
+        "padding": Counter(str(c["call"]["padding"]) for c in cases),
+        "model": Counter("MoE" if c["moe"] else "dense" for c in cases),
+    }
+    lines = ["| what | drawn (cases) |", "|---|---|"]
+    for name, counts in rows.items():
+        lines.append(f"| {name} | " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + " |")
+    return "\n".join(lines)
+
+
+def search(seed: int, device: str, minutes: float | None = None, cases: int | None = None, dtypes=tuple(DTYPES),
+           moe: float = 0.3, max_len: int = 700, kinds=CALL_KINDS, shrink_budget: int = 40, log=print) -> dict:
+    """Draw and run cases from ``seed`` on until ``minutes`` or ``cases`` is reached; returns the summary (failures
+    with their shrunk case and replay command, the cases drawn, the rate)."""
+    start, drawn, failures, refused = time.monotonic(), [], [], []
+    rng = random.Random(seed)
+    while (cases is None or len(drawn) < cases) and (minutes is None or time.monotonic() - start < minutes * 60):
+        case = draw_case(rng.randrange(1 << 31), device, dtypes, moe, max_len, kinds)
+        try:
+            found = run_case(case)
+        except StockRefuses as err:
+            refused.append(f"{describe(case)}: {err}")
+            continue
+        except Exception as err:  # noqa: BLE001 - an exception where stock answers is a failure too
+            found = [f"raised {type(err).__name__}: {err}"]
+        drawn.append(case)
+        if found:
+            log(f"FAIL {describe(case)}: {found[0]}")
+            small, small_found = shrink(case, found, shrink_budget, log) if shrink_budget else (case, found)
+            failures.append({"case": case, "failures": found, "shrunk": small, "shrunk_failures": small_found,
+                             "command": replay_command(small)})
+            log(f"  reproduce: {replay_command(small)}")
+        elif len(drawn) % 25 == 0:
+            log(f"{len(drawn)} cases, {len(failures)} failing, {(time.monotonic() - start) / 60:.1f} min")
+    elapsed = time.monotonic() - start
+    return {"cases": len(drawn), "failures": failures, "stock_refused": refused, "minutes": elapsed / 60,
+            "per_minute": len(drawn) / max(elapsed / 60, 1e-9), "coverage": coverage_table(drawn), "drawn": drawn}
+
+
+def emulation_check(seed: int, minutes: float | None, cases: int | None, log=print) -> dict:
+    """The CPU emulation against the GPU path on the same fp32 cases: the fused logits of both devices agree (so a CPU
+    pass says something about the GPU)."""
+    start, rng, done, bad = time.monotonic(), random.Random(seed), 0, []
+    while (cases is None or done < cases) and (minutes is None or time.monotonic() - start < minutes * 60):
+        case = draw_case(rng.randrange(1 << 31), "cuda", ("fp32",), kinds=("forward", "forward_padded"))
+        outs = {}
+        for device in ("cuda", "cpu"):
+            c = dict(case, device=device)
+            plan_mod.EMULATE_ON_CPU = device == "cpu"
+            _, fused, _ = build_pair(c, torch.device(device))
+            ids, mask = make_inputs(c["call"], c["config"]["vocab_size"], device)
+            with torch.inference_mode():
+                outs[device] = fused(input_ids=ids, attention_mask=mask, use_cache=False).logits.float().cpu()
+        err, at = per_position_err(outs["cpu"], outs["cuda"], None)
+        done += 1
+        if err > FP32_BOUND["cuda"]:
+            bad.append({"case": case, "err": err, "at": at})
+            log(f"EMULATION DIFFERS {describe(case)}: {err:.3g} at {at}")
+    return {"cases": done, "differing": bad}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, help="run for this long")
+    parser.add_argument("--cases", type=int, help="run this many cases")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda (the fused kernels) or cpu (their torch references, the tests' emulation)")
+    parser.add_argument("--dtypes", default="fp32,bf16,fp16", help="comma-separated of fp32, bf16, fp16")
+    parser.add_argument("--moe", type=float, default=0.3, help="share of MoE cases")
+    parser.add_argument("--max-len", type=int, default=700, help="longest input drawn")
+    parser.add_argument("--kinds", default=",".join(CALL_KINDS), help="call kinds drawn")
+    parser.add_argument("--shrink", type=int, default=40, help="runs the shrinker may spend on each failure")
+    parser.add_argument("--replay", help="run this one case (JSON, as a failure prints it)")
+    parser.add_argument("--emulation-check", action="store_true", help="CPU emulation against the GPU, fp32")
+    parser.add_argument("--out", help="write the summary as JSON here")
+    args = parser.parse_args(argv)
+    if args.replay:
+        case = json.loads(args.replay)
+        found = run_case(case)
+        print(describe(case), "->", "pass" if not found else "FAIL\n  " + "\n  ".join(found))
+        return 1 if found else 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a GPU; pass --device cpu for the CPU emulation")
+    if args.minutes is None and args.cases is None:
+        parser.error("say how long: --minutes N or --cases N")
+    if args.emulation_check:
+        out = emulation_check(args.seed, args.minutes, args.cases)
+        print(f"emulation check: {out['cases']} cases, {len(out['differing'])} differing")
+        return 1 if out["differing"] else 0
+    dtypes = tuple(args.dtypes.split(","))
+    out = search(args.seed, args.device, args.minutes, args.cases, dtypes, args.moe, args.max_len,
+                 tuple(args.kinds.split(",")), args.shrink)
+    print(f"\n{out['cases']} cases in {out['minutes']:.1f} min ({out['per_minute']:.1f} a minute) on "
+          f"{args.device}, seed {args.seed}: {len(out['failures'])} failing ({len(out['stock_refused'])} drawn calls "
+          "stock itself refuses were not counted)\n")
+    print(out["coverage"])
+    for f in out["failures"]:
+        print(f"\nFAIL {describe(f['case'])}\n  {f['failures'][0]}\n  shrunk to {describe(f['shrunk'])}: "
+              f"{f['shrunk_failures'][0]}\n  {f['command']}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({k: v for k, v in out.items() if k != "drawn"}, indent=2))
+    return 1 if out["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
