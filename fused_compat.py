@@ -1,7 +1,7 @@
 # Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
 """Everything that depends on the transformers version or touches a private transformers API, in one place.
 
-The fused classes subclass stock Qwen3.5 (public API). Three things are not public and live here only:
+The fused classes subclass stock Qwen3.5 (public API). What is not public lives here only:
 
 - the keyword names that carry the cache (``cache`` from 5.2x; before that ``cache_params`` for the DeltaNet layer
   and ``past_key_values`` elsewhere), and the output fields that return it;
@@ -10,12 +10,17 @@ The fused classes subclass stock Qwen3.5 (public API). Three things are not publ
   plus ``GenerationConfig._pad_token_tensor``. Their signatures are checked once, at import: on a transformers whose
   hooks differ, ``GENERATE_HOOKS_REASON`` says why, the fused layers still run, and ``generate`` decodes with the stock
   code (announced once);
+- the stock cache a fused forward or ``generate`` returns, filled from the fused state (:func:`fill_linear_layer`,
+  :func:`fill_attention_layer`; 5.25 keeps a token count per linear-attention layer), and the cache protocol stock's
+  DeltaNet asks of a cache (:func:`is_recording_past`). Checked by behaviour, not by signature: the first fused model
+  of a process runs :func:`returned_cache_reason` (a tiny stock model's own cache against one filled the fused way);
+  on a transformers where they differ the model runs the stock code, announced once;
 - the stock module's DeltaNet helpers, which transformers swaps for flash-linear-attention's Triton kernels when fla
   is installed, whatever the tensors' device: :func:`torch_reference_kernels` routes CPU calls to the plain-torch
   versions;
 - the MoE checkpoint layouts: transformers converts the Hub's per-expert tensors to its 3D expert parameters at load
-  (and back at save) through its conversion mapping, which it skips for remote code unless the class name was
-  model type was registered (:func:`register_expert_layouts`; checked once at import, ``EXPERT_LAYOUTS_REASON``
+  (and back at save) through its conversion mapping, which it skips for remote code unless the class name or
+  its model type was registered (:func:`register_expert_layouts`; checked once at import, ``EXPERT_LAYOUTS_REASON``
   says why not); :func:`per_expert_save` makes a save write the per-expert layout whatever the load read.
 """
 
@@ -179,7 +184,7 @@ def _probe_returned_cache(fill_linear=None) -> str | None:
     """None when a stock cache built as the fused path builds it (``fill_linear_layer``, ``fill_attention_layer``)
     behaves as the cache stock's own forward returns: the same length from every query a forward or generate makes,
     and a forward continuing it gives the same logits, bit for bit. Else what differs. A 2-layer, 16-wide stock model
-    on CPU (~30 ms); the RNG state is left as it was."""
+    on CPU (~50 ms); the RNG state is left as it was."""
     from transformers import Qwen3_5ForCausalLM
     from transformers.cache_utils import DynamicCache
 
