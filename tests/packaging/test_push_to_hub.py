@@ -75,10 +75,14 @@ def verified_folder(root: Path, *, shards=2, kernels_verified=True, source_path=
 
 
 def http_error(cls, message: str, status: int):
-    """A huggingface_hub HTTP error as the Hub client raises it (it needs the response)."""
-    import httpx
+    """A huggingface_hub HTTP error as the Hub client raises it (it needs the response), built with the HTTP library
+    the installed huggingface_hub uses (httpx up to 1.x, httpx2 from 2.0)."""
+    import importlib
 
-    response = httpx.Response(status, request=httpx.Request("GET", "https://example.invalid"))
+    from huggingface_hub import errors
+
+    http = importlib.import_module(errors.Response.__module__.split(".")[0])
+    response = http.Response(status, request=http.Request("GET", "https://example.invalid"))
     return cls(message, response=response)
 
 

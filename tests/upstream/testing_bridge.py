@@ -1,13 +1,22 @@
 # Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
-"""pytest plugin (`-p testing_bridge`) for both upstream runs: the test helpers that the assembled upstream tests
-(transformers v5.24.0's `tests/test_modeling_common.py`) import from `transformers.testing_utils` and the installed
-transformers no longer defines, so that the file collects on every version the suite supports (5.17 to 5.25+).
+"""pytest plugin (`-p testing_bridge`) for both upstream runs: what the assembled upstream tests (transformers
+v5.24.0's `tests/test_modeling_common.py` and helpers) import and the installed packages no longer provide, so that
+the file collects on every version the suite supports (transformers 5.17 to 5.25+, huggingface_hub 1.x and 2.x).
 A name the installed version defines is left as it is; each stand-in below does what the upstream tests use it for.
 """
 
 import contextlib
+import importlib.util
+import sys
 
-import transformers.testing_utils as _tu
+# huggingface_hub 2.x moved from httpx to its fork httpx2 (and re-exports it as `huggingface_hub.utils.httpx`);
+# the upstream test helpers import `httpx` itself (tests/utils/test_configuration_utils.py), which is then absent.
+if importlib.util.find_spec("httpx") is None:
+    from huggingface_hub.utils import httpx as _hub_http
+
+    sys.modules["httpx"] = _hub_http
+
+import transformers.testing_utils as _tu  # noqa: E402 - after the httpx alias
 
 _UNSET = object()
 
