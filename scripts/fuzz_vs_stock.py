@@ -1,6 +1,6 @@
 """Differential search: the fused classes against stock transformers over randomly drawn configs, weights and calls.
 
-    # the H200 run of the issue: dense and MoE, fp32 / bf16 / fp16, 30 minutes
+    # the H200 run of the issue: dense and MoE, fp32 / bf16 / fp16, 30 minutes, configs from a pool of 48
     python scripts/fuzz_vs_stock.py --minutes 30
     # CPU: the emulated fused path (the kernels' torch references) against stock, a fixed number of cases
     python scripts/fuzz_vs_stock.py --device cpu --cases 40 --seed 1
@@ -143,13 +143,30 @@ def draw_call(rng: random.Random, max_len: int, kinds=CALL_KINDS, dtype: str = "
     return call
 
 
+def config_pool(size: int, moe: float) -> list[tuple[bool, dict]]:
+    """``size`` configs drawn once (from fixed seeds) for the GPU search to draw from: every new head layout, head
+    dimension or width compiles its Triton and fla kernels afresh, which made a GPU search with a fresh config per
+    case run 2-10 cases a minute; from a pool the kernels compile once per config and the cases vary the rest (weights,
+    dtype, lengths, padding, call)."""
+    out = []
+    for i in range(size):
+        rng = random.Random(f"pool-{i}")
+        is_moe = rng.random() < moe
+        out.append((is_moe, draw_config(rng, is_moe)))
+    return out
+
+
 def draw_case(seed: int, device: str, dtypes=tuple(DTYPES), moe: float = 0.3, max_len: int = 700,
-              kinds=CALL_KINDS) -> dict:
-    """The case of ``seed``: everything ``run_case`` needs, as plain JSON values (so it can be printed and replayed)."""
+              kinds=CALL_KINDS, pool: list | None = None) -> dict:
+    """The case of ``seed``: everything ``run_case`` needs, as plain JSON values (so it can be printed and replayed);
+    its config from ``pool`` (``config_pool``) when given."""
     rng = random.Random(seed)
     is_moe = rng.random() < moe
     dtype = rng.choice(list(dtypes))
-    return {"seed": seed, "device": device, "dtype": dtype, "moe": is_moe, "config": draw_config(rng, is_moe),
+    config = draw_config(rng, is_moe)
+    if pool:
+        is_moe, config = copy.deepcopy(rng.choice(pool))
+    return {"seed": seed, "device": device, "dtype": dtype, "moe": is_moe, "config": config,
             "weights": draw_weights(rng), "call": draw_call(rng, max_len, kinds, dtype)}
 
 
@@ -541,13 +558,16 @@ def coverage_table(cases: list[dict]) -> str:
 
 
 def search(seed: int, device: str, minutes: float | None = None, cases: int | None = None, dtypes=tuple(DTYPES),
-           moe: float = 0.3, max_len: int = 700, kinds=CALL_KINDS, shrink_budget: int = 40, log=print) -> dict:
-    """Draw and run cases from ``seed`` on until ``minutes`` or ``cases`` is reached; returns the summary (failures
-    with their shrunk case and replay command, the cases drawn, the rate)."""
+           moe: float = 0.3, max_len: int = 700, kinds=CALL_KINDS, shrink_budget: int = 40, pool: int = 0,
+           log=print) -> dict:
+    """Draw and run cases from ``seed`` on until ``minutes`` or ``cases`` is reached (configs from a pool of ``pool``
+    when not 0); returns the summary (failures with their shrunk case and replay command, the cases drawn, the
+    rate)."""
     start, drawn, failures, refused = time.monotonic(), [], [], []
     rng = random.Random(seed)
+    configs = config_pool(pool, moe) if pool else None
     while (cases is None or len(drawn) < cases) and (minutes is None or time.monotonic() - start < minutes * 60):
-        case = draw_case(rng.randrange(1 << 31), device, dtypes, moe, max_len, kinds)
+        case = draw_case(rng.randrange(1 << 31), device, dtypes, moe, max_len, kinds, configs)
         try:
             found = run_case(case)
         except StockRefuses as err:
@@ -569,12 +589,14 @@ def search(seed: int, device: str, minutes: float | None = None, cases: int | No
             "per_minute": len(drawn) / max(elapsed / 60, 1e-9), "coverage": coverage_table(drawn), "drawn": drawn}
 
 
-def emulation_check(seed: int, minutes: float | None, cases: int | None, log=print) -> dict:
-    """The CPU emulation against the GPU path on the same fp32 cases: the fused logits of both devices agree (so a CPU
-    pass says something about the GPU)."""
+def emulation_check(seed: int, minutes: float | None, cases: int | None, pool: int = 48, log=print) -> dict:
+    """The CPU emulation against the GPU path on the same fp32 cases (configs from a pool of ``pool``): the fused
+    logits of both devices agree (so a CPU pass says something about the GPU)."""
     start, rng, done, bad = time.monotonic(), random.Random(seed), 0, []
+    configs = config_pool(pool, 0.3) if pool else None
     while (cases is None or done < cases) and (minutes is None or time.monotonic() - start < minutes * 60):
-        case = draw_case(rng.randrange(1 << 31), "cuda", ("fp32",), kinds=("forward", "forward_padded"))
+        case = draw_case(rng.randrange(1 << 31), "cuda", ("fp32",), kinds=("forward", "forward_padded"),
+                         pool=configs)
         outs = {}
         for device in ("cuda", "cpu"):
             c = dict(case, device=device)
@@ -604,6 +626,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-len", type=int, default=700, help="longest input drawn")
     parser.add_argument("--kinds", default=",".join(CALL_KINDS), help="call kinds drawn")
     parser.add_argument("--shrink", type=int, default=40, help="runs the shrinker may spend on each failure")
+    parser.add_argument("--pool", type=int, help="draw configs from this many fixed ones (0: a new config a case; "
+                        "default 0 on cpu, 48 on cuda, where each new config compiles its kernels)")
     parser.add_argument("--replay", help="run this one case (JSON, as a failure prints it)")
     parser.add_argument("--emulation-check", action="store_true", help="CPU emulation against the GPU, fp32")
     parser.add_argument("--out", help="write the summary as JSON here")
@@ -618,12 +642,13 @@ def main(argv=None) -> int:
     if args.minutes is None and args.cases is None:
         parser.error("say how long: --minutes N or --cases N")
     if args.emulation_check:
-        out = emulation_check(args.seed, args.minutes, args.cases)
+        out = emulation_check(args.seed, args.minutes, args.cases, args.pool if args.pool is not None else 48)
         print(f"emulation check: {out['cases']} cases, {len(out['differing'])} differing")
         return 1 if out["differing"] else 0
     dtypes = tuple(args.dtypes.split(","))
+    pool = args.pool if args.pool is not None else (48 if args.device == "cuda" else 0)
     out = search(args.seed, args.device, args.minutes, args.cases, dtypes, args.moe, args.max_len,
-                 tuple(args.kinds.split(",")), args.shrink)
+                 tuple(args.kinds.split(",")), args.shrink, pool)
     print(f"\n{out['cases']} cases in {out['minutes']:.1f} min ({out['per_minute']:.1f} a minute) on "
           f"{args.device}, seed {args.seed}: {len(out['failures'])} failing ({len(out['stock_refused'])} drawn calls "
           "stock itself refuses were not counted)\n")
