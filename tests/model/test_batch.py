@@ -6,7 +6,8 @@ greedy tokens must equal a batch-1 fused ``generate`` of its prompt (and stock's
 prompt lengths and ``max_new_tokens`` (requests joining and leaving mid-run), the live span moved right (a long
 prompt joining) and left (a cache small enough to fill); sampling must be reproducible per request seed and
 independent of the requests beside it; EOS and ``max_new_tokens`` stop each request alone; a request over the budget
-or out of memory fails alone, and an error midway keeps the finished outputs; the result has transformers' type.
+or out of memory fails alone, and an error midway keeps the finished outputs; the result has transformers' type;
+the streaming manager hands out each token as it comes.
 
 GPU test (``@pytest.mark.cuda``; ``python -m pytest -m cuda -q tests/model/test_batch.py``): the same greedy equality
 in fp32 through the captured step at each row bucket, and bf16 reproducibility.
@@ -264,6 +265,37 @@ def test_without_the_fused_path_each_request_runs_generate(caplog):
     for (rid, got), prompt, new in zip(out.items(), prompts, NEW):
         assert got.status == RequestStatus.FINISHED
         assert got.generated_tokens == _reference(stock, prompt, new, stock=True), rid
+
+
+@cpu_emulated
+def test_the_manager_streams_tokens_and_cancels():
+    """``init_continuous_batching`` gives the fused manager, which transformers' own context manager starts and stops:
+    a streaming request's outputs grow one token at a time up to its finished one; a cancelled request ends failed
+    with the tokens so far; the others match batch-1 generate."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    prompts = _prompts(LENGTHS[:4])
+    cb = ContinuousBatchingConfig(max_requests_per_batch=2)
+    with fused.continuous_batching_context_manager(generation_config=_greedy(max_new_tokens=6),
+                                                   continuous_batching_config=cb) as manager:
+        assert type(manager).__name__ == "FusedBatchManager"
+        streamed = manager.add_request(prompts[0], streaming=True, max_new_tokens=5)
+        long = manager.add_request(prompts[1], max_new_tokens=4000)
+        rest = manager.add_requests(prompts[2:])
+        outputs = list(manager.request_id_iter(streamed))
+        manager.cancel_request(long)
+        results = {}
+        while len(results) < 3:
+            result = manager.get_result(timeout=30)
+            assert result is not None, results
+            results[result.request_id] = result
+    assert [len(o.generated_tokens) for o in outputs] == [1, 2, 3, 4, 5]
+    assert outputs[-1].status == RequestStatus.FINISHED and outputs[-2].status == RequestStatus.DECODING
+    assert outputs[-1].generated_tokens == _reference(fused, prompts[0], 5)
+    assert results[long].status == RequestStatus.FAILED and results[long].error == "cancelled"
+    assert len(results[long].generated_tokens) < 4000
+    for rid, prompt in zip(rest, prompts[2:]):
+        assert results[rid].generated_tokens == _reference(fused, prompt, 6), rid
+    assert not manager.is_running()
 
 
 # -- on the GPU (`@pytest.mark.cuda`; written for the device, not run in the CPU sessions that wrote them) -------------
