@@ -22,6 +22,7 @@ The scheduler (:class:`BatchEngine`) over the rows of a :class:`BatchState` (``f
    or when its EOS is read (its row then ran one step more, whose token is dropped).
 """
 
+import copy
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -426,7 +427,10 @@ class EachEngine:
     the call. The same greedy tokens as the fused path; samples reproducible, but not the fused path's draws."""
 
     def __init__(self, model, generation_config, logprobs: bool):
-        self.model, self.config, self.logprobs = model, generation_config, logprobs
+        # the caller's config as given (None: the model's): generate completes it itself, and warns about values the
+        # completion set (max_length) beside the max_new_tokens given here
+        self.model, self.logprobs = model, logprobs
+        self.config = model.generation_config if generation_config is None else generation_config
         self.waiting: deque = deque()
         self.finished: list[Request] = []
         self.updated: list[Request] = []
@@ -457,16 +461,16 @@ class EachEngine:
         device = self.model.device
         ids = torch.tensor([req.prompt], dtype=torch.long, device=device)
         eos = sorted(req.eos)
-        config = self.config
-        pad = config.pad_token_id if config.pad_token_id is not None else (eos or [None])[0]
+        config = copy.deepcopy(self.config)
+        config.max_new_tokens, config.eos_token_id = req.max_new, eos or None
+        if config.pad_token_id is None:
+            config.pad_token_id = (eos or [None])[0]
+        config.return_dict_in_generate, config.output_scores = True, self.logprobs
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(req.seed)
-                out = self.model.generate(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config,
-                    max_new_tokens=req.max_new, eos_token_id=eos or None, pad_token_id=pad,
-                    return_dict_in_generate=True, output_scores=self.logprobs,
-                )
+                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                          generation_config=config)
         except Exception as err:  # noqa: BLE001 - this request fails, the others go on
             req.end(RequestStatus.FAILED, f"{type(err).__name__}: {err}")
             self.finished.append(req)
@@ -619,17 +623,18 @@ def _allocate(text_model, rows: int, max_len: int, prefill_len: int):
 
 
 def build_engine(model, generation_config, cb_config, need: int, count: int, longest_prompt: int,
-                 stream: bool = False):
+                 stream: bool = False, given_config=None):
     """The engine for requests of at most ``need`` cache tokens (``count`` of them, the longest prompt
     ``longest_prompt`` tokens), under ``generation_config`` (completed, as ``complete_generation_config`` returns
-    it): a :class:`BatchEngine` on the fused path, else an :class:`EachEngine` (said once, with the reason). Call it
-    under ``torch.inference_mode()``; the fused engine's calls hold the runner's lock."""
+    it, from ``given_config``, the caller's): a :class:`BatchEngine` on the fused path, else an :class:`EachEngine`
+    (said once, with the reason). Call it under ``torch.inference_mode()``; the fused engine's calls hold the runner's
+    lock."""
     logprobs = bool(getattr(cb_config, "return_logprobs", False))
     reason = batch_blocker(model, generation_config)
     if reason is not None:
         announce(f"batch/{reason}", "Qwen3.5 fused kernels: generate_batch runs each request through generate() at "
                  f"batch 1, one after another (correct, slow) because {reason}.")
-        return EachEngine(model, generation_config, logprobs)
+        return EachEngine(model, given_config, logprobs)
     ignored = [name for name in ("stop_strings", "max_time") if getattr(generation_config, name, None)]
     if ignored:
         announce(f"batch/stopping/{ignored}", f"Qwen3.5 fused kernels: generate_batch stops a request on EOS and "
@@ -680,7 +685,7 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
     need = max(len(r.prompt) + r.max_new - 1 for r in decoding)
     with torch.inference_mode(), model._text_model().runner.lock:
         engine = build_engine(model, config, continuous_batching_config, need, len(decoding),
-                              max(len(r.prompt) for r in requests))
+                              max(len(r.prompt) for r in requests), given_config=generation_config)
         for req in requests:
             engine.add(req)
         try:

@@ -44,6 +44,7 @@ class FusedBatchManager:
 
     def __init__(self, model, generation_config=None, continuous_batching_config=None):
         self.model = model
+        self._given_config = generation_config
         self.generation_config = complete_generation_config(model, generation_config)
         self.continuous_batching_config = continuous_batching_config
         self.output_queue: queue.Queue = queue.Queue()
@@ -177,7 +178,8 @@ class FusedBatchManager:
         need = DEFAULT_CACHE_TOKENS // 2  # the cache is sized at twice the longest request
         if blocks and rows:
             need = max(1, blocks * getattr(cb, "page_size", 256) // rows // 2)
-        return build_engine(self.model, self.generation_config, cb, need, rows or 1 << 30, 1, stream=True)
+        return build_engine(self.model, self.generation_config, cb, need, rows or 1 << 30, 1, stream=True,
+                            given_config=self._given_config)
 
     def _deliver(self, engine) -> None:
         done = set()
