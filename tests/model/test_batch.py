@@ -304,9 +304,9 @@ def test_the_manager_streams_tokens_and_cancels():
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.cuda
 def test_greedy_matches_batch_1_generate_cuda(kind):
-    """fp32 through the captured decode step: row buckets 1, 2 and 4 (each captured on its second step, replayed
-    after), the prompts replayed from their captured prefill on the second call; every request's tokens those of a
-    batch-1 fused ``generate``."""
+    """fp32 through the captured decode step at row buckets up to 4 (each captured on its second step, replayed after)
+    and the captured prefill of the prompts' length buckets, on two calls; every request's tokens those of a batch-1
+    fused ``generate``."""
     _, fused = stock_and_fused_lm(seed=0, **SPREAD) if kind == "dense" else stock_and_fused_moe_lm(seed=0, **SPREAD)
     fused = fused.cuda()
     prompts = _prompts((5, 1, 17, 9, 70, 3, 12, 33, 2))
@@ -322,7 +322,8 @@ def test_greedy_matches_batch_1_generate_cuda(kind):
                 want = fused.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=255)
             assert got.generated_tokens == want[0, len(prompt):].tolist(), rid
     info = fused.describe()["decode"]["generate_batch"]
-    assert info["row_buckets_captured"] == [1, 2, 4]
+    assert 4 in info["row_buckets_captured"] and set(info["row_buckets_captured"]) <= {1, 2, 4}
+    assert 64 in info["prompt_buckets_captured"]  # most prompts share the 64-token bucket: replayed from its second
 
 
 @pytest.mark.cuda
