@@ -15,6 +15,9 @@ The fused classes subclass stock Qwen3.5 (public API). What is not public lives 
   DeltaNet asks of a cache (:func:`is_recording_past`). Checked by behaviour, not by signature: the first fused model
   of a process runs :func:`returned_cache_reason` (a tiny stock model's own cache against one filled the fused way);
   on a transformers where they differ the model runs the stock code, announced once;
+- ``generate_batch``'s result type (``continuous_batching.requests.GenerationOutput`` / ``RequestStatus``; a
+  stand-in with the same fields where this transformers lacks it, ``BATCH_OUTPUT_REASON``) and the generate
+  helpers it reuses (``_prepare_generation_config``, ``_prepare_special_tokens``, ``_get_logits_processor``);
 - the stock module's DeltaNet helpers, which transformers swaps for flash-linear-attention's Triton kernels when fla
   is installed, whatever the tensors' device: :func:`torch_reference_kernels` routes CPU calls to the plain-torch
   versions;
@@ -304,6 +307,72 @@ def generation_mode_name(mode) -> str:
 
 
 FUSED_GENERATION_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+
+
+# -- generate_batch ----------------------------------------------------------------------------------------------------
+
+# transformers' continuous-batching result type (`generate_batch` returns request id -> GenerationOutput). Where this
+# transformers lacks it, a dataclass with the same fields stands in (`BATCH_OUTPUT_REASON` says why; the fused
+# `generate_batch` announces it once).
+try:
+    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+    BATCH_OUTPUT_REASON = None
+except ImportError as _err:
+    import dataclasses as _dataclasses
+    import enum as _enum
+    import time as _time
+
+    BATCH_OUTPUT_REASON = f"transformers {_VERSION} has no continuous-batching GenerationOutput ({_err})"
+
+    class RequestStatus(_enum.IntEnum):
+        PENDING = 0
+        PREFILLING = 1
+        DECODING = 2
+        FINISHED = 3
+        FAILED = 4
+
+    @_dataclasses.dataclass
+    class GenerationOutput:
+        request_id: str
+        prompt_ids: list = _dataclasses.field(default_factory=list)
+        generated_tokens: list = _dataclasses.field(default_factory=list)
+        logprobs: list = _dataclasses.field(default_factory=list)
+        error: str | None = None
+        status: RequestStatus = RequestStatus.PENDING
+        created_time: float = _dataclasses.field(default_factory=_time.perf_counter)
+        lifespan: tuple = (-1, -1)
+        timestamps: list | None = None
+
+        def is_finished(self) -> bool:
+            return self.status >= RequestStatus.FINISHED
+
+
+def generation_output(**fields) -> "GenerationOutput":
+    """A ``GenerationOutput`` from the fields this transformers' class has (the others dropped)."""
+    known = GenerationOutput.__dataclass_fields__
+    return GenerationOutput(**{k: v for k, v in fields.items() if k in known})
+
+
+def complete_generation_config(model, generation_config):
+    """``generation_config`` (or the model's) completed as ``generate`` completes it: a copy, its unset values taken
+    from the model's generation config, then transformers' global defaults (``max_length`` 20, ``top_k`` 50, ...)."""
+    return model._prepare_generation_config(generation_config)[0]
+
+
+def prepare_special_tokens(model, generation_config, device) -> None:
+    """Stock generate's preparation of the special tokens (``_eos_token_tensor``, ``_pad_token_tensor``, ...) on
+    ``generation_config``, in place: the logits processors read them."""
+    model._prepare_special_tokens(generation_config, True, device=device)
+
+
+def logits_processors(model, generation_config, prompt: torch.Tensor):
+    """The ``LogitsProcessorList`` stock ``generate`` builds for one prompt [1, P] under ``generation_config`` (its
+    special tokens prepared): the prompt length sets where ``min_new_tokens`` counts from, as in ``generate``."""
+    return model._get_logits_processor(
+        generation_config=generation_config, input_ids_seq_length=prompt.shape[-1], encoder_input_ids=prompt,
+        device=prompt.device, model_kwargs={},
+    )
 
 
 # -- stock's DeltaNet helpers on CPU tensors --------------------------------------------------------------------------

@@ -87,6 +87,9 @@ class DecodeState:
         # inference tensors cannot be updated in place outside it
         with torch.inference_mode(False):
             self._allocate(text_model, batch, max_len)
+        self._no_graphs()
+
+    def _no_graphs(self) -> None:
         self.graph = None  # torch.cuda.CUDAGraph once captured; False after a failed capture (eager from then on)
         self.graph_out = None
         self.graph_weights = None
@@ -95,6 +98,31 @@ class DecodeState:
         self.owner = None
         self.prefill_graphs = {}  # prompt-length bucket -> _PrefillGraph
         self.prefill_calls = {}  # prompt-length bucket -> prefills seen (captured on the second)
+
+    @classmethod
+    def view_rows(cls, parent: "DecodeState", rows: int) -> "DecodeState":
+        """A state over the first ``rows`` rows of ``parent``'s buffers, at their addresses, with its own step graph:
+        conv [rows, conv_dim, K], recurrent [rows, HV, Dk, Dv], keys / values [rows, KV, L, D], ``embeds`` [rows, 1,
+        hidden], ``key_valid`` [rows, L] (first-dim slices, contiguous) and ``positions`` [3, rows, 1] (a strided view;
+        ``mrope_step`` takes its strides). ``slot`` is ``parent``'s own tensor: every view writes at one shared cache
+        index. ``generate_batch`` steps the view whose row count is the smallest bucket that holds its requests
+        (``fused_batch_state``)."""
+        if not 0 < rows <= parent.batch:
+            raise ValueError(f"A view of a decode state holds 1..{parent.batch} rows, got {rows}.")
+        view = cls.__new__(cls)
+        view.plan, view.ops = parent.plan, parent.ops
+        view.batch, view.max_len, view.dtype, view.device = rows, parent.max_len, parent.dtype, parent.device
+        view.conv = {i: t[:rows] for i, t in parent.conv.items()}
+        view.recurrent = {i: t[:rows] for i, t in parent.recurrent.items()}
+        view.keys = {i: t[:rows] for i, t in parent.keys.items()}
+        view.values = {i: t[:rows] for i, t in parent.values.items()}
+        view.layer_devices, view.multi_device, view.rope = parent.layer_devices, parent.multi_device, parent.rope
+        view.embeds = parent.embeds[:rows]
+        view.positions = parent.positions[:, :rows]
+        view.slot = parent.slot
+        view.key_valid = parent.key_valid[:rows]
+        view._no_graphs()
+        return view
 
     def _allocate(self, text_model, batch: int, max_len: int) -> None:
         weight = text_model.embed_tokens.weight

@@ -9,8 +9,9 @@ It owns the model's reusable GPU state and runs the calls that use it:
 - the captured forwards (at most ``MAX_FORWARD_GRAPHS``, on one memory pool): the no-cache forward right-padded to
   its length bucket, and forwards with padding, 2D position ids or a returned cache left-padded with masked
   positions, the returned stock cache built from the bucket's state;
-- one lock: calls that use this shared state (a fused ``generate``, a bucketed forward) run one at a time, so
-  threads sharing one model each get their single-threaded result.
+- the rows of ``generate_batch`` (:class:`BatchState`, one at a time: a call that needs other sizes replaces it);
+- one lock: calls that use this shared state (a fused ``generate`` or ``generate_batch``, a bucketed forward) run one
+  at a time, so threads sharing one model each get their single-threaded result.
 """
 
 import copy
@@ -18,6 +19,7 @@ import threading
 
 import torch
 
+from .fused_batch_state import BatchState
 from .fused_compat import CACHE_KWS, OUTPUT_CACHE_FIELD
 from .fused_decode import DecodeState, FusedDecodeCache, decode_len_bucket, stock_cache_from_state
 from .fused_graphs import CAPTURE_AFTER, FORWARD_GRAPH_MAX_LEN, LRU, ForwardGraph, PrefillGraph, forward_len_bucket
@@ -98,6 +100,7 @@ class FusedRunner:
         self.decode_states = LRU(MAX_DECODE_STATES)
         self.forward_graphs = LRU(MAX_FORWARD_GRAPHS)
         self.forward_calls: dict = {}
+        self.batch: BatchState | None = None
         self._pool = None
 
     # A copy of a model (copy.deepcopy) gets a runner of its own, empty: buffers and graphs point at the original's
@@ -117,6 +120,7 @@ class FusedRunner:
             self.decode_states.clear()
             self.forward_graphs.clear()
             self.forward_calls.clear()
+            self.drop_batch_state()
             self._pool = None
 
     def pool(self):
@@ -124,6 +128,25 @@ class FusedRunner:
         if self._pool is None and self.plan.graphs:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
+
+    # -- generate_batch ----------------------------------------------------------------------------------------------
+
+    def batch_state(self, text_model, rows: int, max_len: int, prefill_len: int) -> BatchState:
+        """The buffers of a ``generate_batch`` call: ``rows`` rows of ``max_len`` cache tokens and a batch-1 prefill
+        state of at least ``prefill_len`` tokens; the ones kept from an earlier call when their sizes match (their
+        graphs with them), else new ones (the old freed first)."""
+        kept = self.batch
+        if kept is not None and (kept.rows, kept.max_len) == (rows, max_len) and kept.prefill_len >= prefill_len:
+            kept.drop_stale_graphs()
+            return kept
+        self.drop_batch_state()
+        self.batch = BatchState(text_model, self.plan, rows, max_len, prefill_len)
+        return self.batch
+
+    def drop_batch_state(self) -> None:
+        if self.batch is not None:
+            self.batch.drop()
+            self.batch = None
 
     # -- generate ----------------------------------------------------------------------------------------------------
 

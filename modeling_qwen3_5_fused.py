@@ -19,7 +19,9 @@ the state dict is stock's. What runs is decided once, in the backbone's :class:`
 resolved when the model is built, loaded, moved, cast, put in train / eval mode or switched; ``describe()`` renders
 it. Calls that use the model's reusable GPU state (a fused ``generate``, a forward at its length bucket) go through
 its :class:`FusedRunner` (``fused_runner``); the generate hooks here are thin: they hand generate a fused decode
-cache and run the fused loop (``fused_generate``), and otherwise defer to stock.
+cache and run the fused loop (``fused_generate``), and otherwise defer to stock. ``generate_batch`` and
+``init_continuous_batching`` (continuous batching, which stock refuses for Qwen3.5) hand the call to ``fused_batch``
+and ``fused_batch_manager``.
 """
 
 import contextvars
@@ -82,6 +84,8 @@ from .fused_compat import (
     register_expert_layouts,
     with_signature_of,
 )
+from .fused_batch import generate_batch as fused_generate_batch
+from .fused_batch_manager import init_continuous_batching as fused_init_continuous_batching
 from .fused_decode import FusedDecodeCache
 from .fused_generate import fused_sample, with_stock_cache
 from .fused_layers import FUSED_OPS, FusedDecoderLayer, FusedRMSNorm, pack_all
@@ -249,6 +253,24 @@ class _FusedPreTrainedMixin:
                 return with_stock_cache(super().generate(*args, **kwargs), self._text_model())
         return super().generate(*args, **kwargs)
 
+    def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None,
+                       record_timestamps: bool = False, progress_bar: bool = False, persistent_manager: bool = False,
+                       warmup: bool = True, **kwargs):
+        """transformers' ``generate_batch`` (continuous batching), which stock transformers refuses for Qwen3.5: the
+        prompts ``inputs`` (lists of token ids) join and leave one running batch on the fused decode step; returns
+        request id -> ``GenerationOutput``, as transformers does. Without the fused path each request runs through
+        ``generate`` in turn (said once). See ``fused_batch.generate_batch``."""
+        return fused_generate_batch(
+            self, inputs, generation_config, continuous_batching_config, record_timestamps=record_timestamps,
+            progress_bar=progress_bar, persistent_manager=persistent_manager, warmup=warmup, **kwargs,
+        )
+
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, **kwargs):
+        """transformers' continuous-batching manager API (``add_request``, ``get_result``, ``request_id_iter``,
+        streaming), over the same scheduler as ``generate_batch``, run by a background thread; transformers' own
+        ``continuous_batching_context_manager`` starts and stops it. See ``fused_batch_manager``."""
+        return fused_init_continuous_batching(self, generation_config, continuous_batching_config, **kwargs)
+
     def _prepare_cache_for_generation(self, *args, **kwargs):
         if GENERATE_HOOKS_REASON is None:
             a = hook_args("_prepare_cache_for_generation", args, kwargs)
@@ -344,6 +366,7 @@ class _FusedPreTrainedMixin:
             **{k: v for k, v in plan.render().items() if k == "pdl_gemv_late_signal_min_weight_elems"},
             "falls_back": "beam search, assisted / contrastive decoding, a cache passed in, cache_implementation, "
             "output_attentions / output_hidden_states (a model split over devices decodes fused, without graphs)",
+            "generate_batch": runner.batch.describe() if runner.batch is not None else None,
             "buckets": [
                 {"batch": st.batch, "max_len": st.max_len, "graph_captured": bool(st.graph),
                  "cache_bytes": st.nbytes(),

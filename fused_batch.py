@@ -1,0 +1,716 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
+"""``generate_batch`` on the fused path: many requests through one decode state, each joining and leaving the running
+batch at any step (continuous batching), and the slow fallback where the fused path does not run.
+
+transformers' ``generate_batch`` (its continuous-batching API, also behind ``transformers serve``) refuses Qwen3.5:
+its paged cache has no linear-attention layer type. :func:`generate_batch` takes the same arguments and returns the
+same result, request id -> ``GenerationOutput``, on the fused dense and MoE classes.
+
+The scheduler (:class:`BatchEngine`) over the rows of a :class:`BatchState` (``fused_batch_state``), one iteration
+(:meth:`BatchEngine.step`):
+
+1. admit waiting requests into free rows: each prompt runs the batch-1 fused prefill (replayed from its prompt-length
+   bucket's graph), its first token is chosen from the prompt's logits, and its state is copied into the next free
+   row so that its keys end at the shared slot (the live span moved right first when the prompt is longer);
+2. one decode step for rows 0..n-1 (rows stay packed: a request that leaves hands its row to the last one), at the
+   smallest row bucket >= n, replayed from that bucket's CUDA graph; first, the live span moves left when the slot has
+   reached the end of the cache or the dead prefix has grown to half of what the step reads;
+3. each request's token by its own rule (:class:`TokenRule`: its logits processors, argmax or a draw from its own
+   seeded generator), written back on the device as the next step's input;
+4. the host reads each step's tokens one step late (``READ_LAG``), so the GPU always holds a step queued and the host
+   never waits for it. A request leaves its row once it has been given ``max_new_tokens`` steps (known on the host)
+   or when its EOS is read (its row then ran one step more, whose token is dropped).
+"""
+
+import copy
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    MinPLogitsWarper,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+from transformers.utils import logging
+
+from .fused_compat import (
+    BATCH_OUTPUT_REASON,
+    FUSED_GENERATION_MODES,
+    RequestStatus,
+    complete_generation_config,
+    generation_mode_name,
+    generation_output,
+    logits_processors,
+    prepare_special_tokens,
+)
+from .fused_batch_state import prefill_len_for
+from .fused_decode import FusedDecodeCache, decode_len_bucket
+from .fused_generate import graph_head, step_logits
+from .fused_plan import announce
+
+logger = logging.get_logger(__name__)
+
+# The host reads a step's tokens after it has queued the next step: it then waits on a step the GPU finished while it
+# ran the one after, never on the step it just queued. A request that stops on EOS runs this many steps more.
+READ_LAG = 1
+# Rows of the running batch when the caller sets none (``max_requests_per_batch``); at most the number of requests.
+DEFAULT_ROWS = 32
+# The cache holds twice the longest request (prompt + new tokens), in multiples of this: the live span then moves
+# left at most once every half cache of steps, and each move copies at most half a cache a row (one key and value
+# a row and step, amortized), however the requests come and go.
+CACHE_ROUND = 256
+# The live span also moves left when its dead prefix (keys of requests that left, which every step still reads) is at
+# least this long and at least half of the keys the step reads.
+COMPACT_MIN = 256
+# Fraction of the free GPU memory the buffers may take when the caller sets no budget (transformers' own default is
+# 0.8-0.9 of the free memory for its paged cache; the step's and the prefill's activations need the rest).
+DEFAULT_MEMORY_FRACTION = 0.8
+
+# Logits processors that read only the scores, not the sequence: one call over all rows gives each row its own result.
+_SCORE_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
+               EpsilonLogitsWarper, EtaLogitsWarper, LogitNormalization, InfNanRemoveLogitsProcessor,
+               SuppressTokensLogitsProcessor)
+
+
+@dataclass(eq=False)
+class Request:
+    """One request of a ``generate_batch`` call, as the scheduler tracks it (``output()`` is what the caller gets).
+
+    ``row``: its row of the batch state while it decodes (None before, and once it has been given all its steps);
+    ``start``: the cache index of its first key; ``issued``: tokens chosen for it on the device so far; ``tokens``:
+    those the host has read."""
+
+    request_id: str
+    prompt: list[int]
+    max_new: int
+    eos: frozenset
+    seed: int
+    timestamps: bool = False
+    streaming: bool = False  # the manager hands out its output after every token it is given
+    created: float = field(default_factory=time.perf_counter)
+    status: RequestStatus = RequestStatus.PENDING
+    error: str | None = None
+    lifespan: tuple = (-1, -1)
+    tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    times: list = field(default_factory=list)
+    row: int | None = None
+    start: int = 0
+    issued: int = 0
+    prompt_ids: torch.Tensor | None = None  # [P] on the model's device, once admitted
+    processors: object = None  # its own LogitsProcessorList, when one reads the sequence
+    generator: torch.Generator | None = None  # its own, when sampling
+
+    @property
+    def done(self) -> bool:
+        return self.status >= RequestStatus.FINISHED
+
+    def begin(self) -> None:
+        self.status = RequestStatus.PREFILLING
+        self.lifespan = (time.perf_counter(), -1)
+
+    def end(self, status: RequestStatus, error: str | None = None) -> None:
+        if self.lifespan[0] < 0:
+            self.lifespan = (time.perf_counter(), -1)
+        self.status, self.error = status, error
+        self.lifespan = (self.lifespan[0], time.perf_counter())
+        self.row = None
+
+    def output(self):
+        return generation_output(
+            request_id=self.request_id, prompt_ids=list(self.prompt), generated_tokens=list(self.tokens),
+            logprobs=list(self.logprobs), error=self.error, status=self.status, created_time=self.created,
+            lifespan=self.lifespan, timestamps=list(self.times) if self.timestamps else None,
+        )
+
+
+def make_generator(device: torch.device, seed: int) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+class TokenRule:
+    """Stock ``generate``'s token rule, per request: the logits processors ``generation_config`` asks for (built for
+    the request's own prompt, as ``generate`` builds them), then the argmax, or with ``do_sample`` a draw from the
+    request's own seeded ``torch.Generator`` (so its tokens do not depend on the requests beside it); with
+    ``logprobs`` the log of the chosen token's probability after the processors (transformers' ``return_logprobs``).
+
+    Processors that read only the scores (temperature, top-k / top-p, ...) run once over all rows; a list with one that
+    reads the sequence (repetition penalty, ``min_new_tokens``, ...) runs per request on its own sequence."""
+
+    def __init__(self, model, generation_config, device: torch.device, logprobs: bool, prompt: list[int]):
+        self.model, self.config, self.device = model, generation_config, device
+        self.sample = bool(generation_config.do_sample)
+        self.logprobs = logprobs
+        # which processors run does not depend on the prompt (only their arguments do): one prompt tells
+        procs = logits_processors(model, generation_config, torch.tensor([prompt], dtype=torch.long, device=device))
+        self.per_request = not all(isinstance(p, _SCORE_ONLY) for p in procs)  # some read the sequence
+        self.shared = procs if len(procs) and not self.per_request else None  # or one list serves every row
+
+    def prepare(self, request: Request) -> None:
+        """Give ``request`` its processors (when they read its sequence) and its generator (when sampling)."""
+        if self.per_request:
+            request.processors = logits_processors(self.model, self.config, request.prompt_ids[None])
+        if self.sample:
+            request.generator = make_generator(self.device, request.seed)
+
+    def choose(self, logits: torch.Tensor, requests: list, sequence) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next token of each of the k ``requests`` from ``logits`` [>= k, vocab] (row i is request i), and their
+        log-probabilities (or None): tokens [k] int64, logprobs [k] float32. ``sequence(i)`` is request i's sequence
+        so far [1, T] (what its processors read)."""
+        k = len(requests)
+        logits = logits[:k]
+        if not (self.sample or self.logprobs or self.shared is not None or self.per_request):
+            return logits.argmax(dim=-1), None  # the same token as in float32: the conversion keeps the order
+        scores = logits.float()
+        if self.shared is not None:
+            scores = self.shared(scores.new_zeros(k, 1, dtype=torch.long), scores)  # they read only the scores
+        if self.per_request:
+            scores = torch.cat([r.processors(sequence(i), scores[i : i + 1]) if r.processors is not None
+                                else scores[i : i + 1] for i, r in enumerate(requests)])
+        probs = torch.softmax(scores, dim=-1) if self.sample or self.logprobs else None
+        if self.sample:
+            tokens = torch.cat([torch.multinomial(probs[i], 1, generator=r.generator) for i, r in enumerate(requests)])
+        else:
+            tokens = scores.argmax(dim=-1)
+        logprobs = probs.gather(1, tokens[:, None]).squeeze(1).log() if self.logprobs else None
+        return tokens, logprobs
+
+
+class Readback:
+    """The chosen tokens on their way to the host: each entry (tokens [k], logprobs [k] or None, the k requests of its
+    rows) is copied to pinned memory without blocking, with an event on CUDA; :meth:`ready` hands back the entries
+    older than the last ``lag`` ones, waiting on each one's event (a step the GPU has finished, or is finishing)."""
+
+    def __init__(self):
+        self.queue: deque = deque()
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def push(self, tokens: torch.Tensor, logprobs: torch.Tensor | None, requests: list) -> None:
+        if tokens.is_cuda:
+            out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if t is not None else None
+                   for t in (tokens, logprobs)]
+            for host, t in zip(out, (tokens, logprobs)):
+                if t is not None:
+                    host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(tokens.device))
+            self.queue.append((out[0], out[1], event, requests))
+        else:
+            self.queue.append((tokens, logprobs, None, requests))
+
+    def ready(self, lag: int):
+        while len(self.queue) > lag:
+            tokens, logprobs, event, requests = self.queue.popleft()
+            if event is not None:
+                event.synchronize()
+            yield tokens.tolist(), (logprobs.tolist() if logprobs is not None else None), requests
+
+
+class BatchEngine:
+    """The continuous-batching scheduler over one :class:`BatchState` (see the module docstring). ``add`` queues a
+    request; ``step`` runs one iteration; ``finished`` collects the requests that ended since it was last emptied
+    (their ``output()`` is final); ``busy`` while anything is queued, decoding or unread."""
+
+    def __init__(self, model, text_model, buffers, rule: TokenRule, max_prefill_tokens: int | None = None,
+                 stream: bool = False):
+        self.model, self.text_model, self.buffers, self.rule = model, text_model, buffers, rule
+        self.plan = text_model.plan
+        self.runner = text_model.runner
+        self.max_prefill_tokens = max_prefill_tokens
+        self.layer_types = text_model.config.layer_types[: text_model.config.num_hidden_layers]
+        self.head = graph_head(model, text_model, buffers.state)
+        self.waiting: deque = deque()
+        self.live: list[Request] = []  # row i's request, rows 0..n-1
+        self.slot = 0  # the shared slot, as the host keeps it (the device's moves with each step)
+        self.readback = Readback()
+        self.finished: list[Request] = []
+        self.stream = stream
+        self.updated: list[Request] = []  # with ``stream``: requests given tokens since it was last emptied
+        if rule.per_request:
+            buffers.ensure_history()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.live or len(self.readback))
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def step(self) -> None:
+        self._admit()
+        if self.live:
+            self._decode()
+        self._read(READ_LAG if self.live or self.waiting else 0)
+
+    def cancel(self, request_id: str) -> None:
+        """End request ``request_id`` now, wherever it is (waiting, decoding, or its tokens on their way), as failed
+        with the error ``"cancelled"`` and the tokens read so far; its row goes to the next request."""
+        pending = (r for entry in self.readback.queue for r in entry[3])
+        for req in [*self.waiting, *self.live, *pending]:
+            if req.request_id == request_id and not req.done:
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                if req.row is not None:
+                    self._release(req)
+                req.end(RequestStatus.FAILED, "cancelled")
+                self.finished.append(req)
+                return
+
+    def fail_all(self, error: str) -> None:
+        """End every request not finished yet with ``error`` (the finished ones keep their outputs)."""
+        for req in [*self.waiting, *self.live, *(r for entry in self.readback.queue for r in entry[3])]:
+            if not req.done:
+                req.end(RequestStatus.FAILED, error)
+                self.finished.append(req)
+        self.waiting.clear()
+        self.live.clear()
+        self.readback.queue.clear()
+
+    # -- admission ---------------------------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        taken = 0
+        while self.waiting and len(self.live) < self.buffers.rows:
+            req = self.waiting[0]
+            if taken and self.max_prefill_tokens is not None and taken + len(req.prompt) > self.max_prefill_tokens:
+                break  # the rest joins at the next step: the running requests are not held up by more prompts
+            self.waiting.popleft()
+            taken += len(req.prompt)
+            try:
+                self._start(req)
+            except Exception as err:  # it is in no queue now: end it here, then the caller fails the rest
+                if not req.done:
+                    self._fail(req, f"{type(err).__name__}: {err}")
+                raise
+
+    def _fail(self, req: Request, error: str) -> None:
+        req.end(RequestStatus.FAILED, error)
+        self.finished.append(req)
+
+    def _start(self, req: Request) -> None:
+        req.begin()
+        P, L = len(req.prompt), self.buffers.max_len
+        if req.max_new > 1 and P + req.max_new - 1 > L:
+            self._fail(req, f"the request needs {P + req.max_new - 1} cache tokens ({P} prompt + {req.max_new} new "
+                       f"- 1) and each row holds {L}: raise the budget (continuous_batching_config.num_blocks x "
+                       "page_size) or lower max_requests_per_batch or max_new_tokens")
+            return
+        req.prompt_ids = torch.tensor(req.prompt, dtype=torch.long, device=self.buffers.state.device)
+        try:
+            if P > self.buffers.prefill_len:
+                self.buffers.grow_prefill(self.text_model, self.plan, P)
+            pad, logits = self._prefill(req)
+        except torch.OutOfMemoryError as err:  # one long prompt: it fails, the others go on
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self._fail(req, f"out of memory prefilling its {P}-token prompt ({str(err).splitlines()[0]})")
+            return
+        self.rule.prepare(req)
+        tokens, logprobs = self.rule.choose(logits, [req], lambda i: req.prompt_ids[None])
+        req.status = RequestStatus.DECODING
+        req.issued = 1
+        self.readback.push(tokens, logprobs, [req])
+        if req.issued >= req.max_new:
+            return  # its one token is chosen: it ends when the host reads it
+        if not self.live:
+            self.slot = P  # a fresh span
+            self.buffers.set_slot(P)
+        elif P > self.slot:  # its prompt must end at the shared slot: move the live span right to make room
+            lo = min(r.start for r in self.live)
+            self.buffers.shift(len(self.live), lo, self.slot, P - self.slot)
+            for r in self.live:
+                r.start += P - self.slot
+            self.slot = P
+        req.row, req.start = len(self.live), self.slot - P
+        self.buffers.load_prompt(req.row, self.slot, pad, P, req.prompt_ids, tokens)
+        self.live.append(req)
+
+    def _prefill(self, req: Request) -> tuple[int, torch.Tensor]:
+        """The fused prefill of ``req``'s prompt into the batch-1 state (left-padded to its length bucket, replayed
+        from that bucket's graph after its first prompt): returns the left padding and the prompt's last logits
+        [1, vocab], as the causal LM's forward computes them in ``generate``."""
+        P = len(req.prompt)
+        cache = FusedDecodeCache(self.buffers.prefill, self.layer_types, self.plan.graphs, budget=P + 1)
+        out = self.runner.run_on_cache(self.text_model, cache, input_ids=req.prompt_ids[None])
+        logits = self.model.lm_head(out.last_hidden_state[:, -1:])[:, -1]
+        return cache._pad, logits
+
+    # -- the decode step ---------------------------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        self._make_room()
+        n = len(self.live)
+        view = self.buffers.view(n)
+        weight = self.text_model.embed_tokens.weight
+        torch.index_select(weight, 0, self.buffers.tokens[: view.batch], out=view.embeds.view(view.batch, -1))
+        out = view.decode(self.text_model, self.plan.graphs, self.head)
+        logits = out if self.head is not None else step_logits(self.model, self.plan.ops, out)[:, -1]
+        tokens, logprobs = self.rule.choose(logits, self.live, self._sequence)
+        buffers = self.buffers
+        buffers.tokens[:n].copy_(tokens)
+        if buffers.history is not None:
+            buffers.history[:n].scatter_(1, buffers.lengths[:n, None], tokens[:, None])
+            buffers.lengths[:n] += 1
+        self.readback.push(tokens, logprobs, list(self.live))
+        self.slot += 1
+        for req in list(self.live):
+            req.issued += 1
+            if req.issued >= req.max_new:
+                self._release(req)  # given all its steps: its row goes to the next request now
+
+    def _sequence(self, i: int) -> torch.Tensor:
+        """Row i's sequence so far [1, P + issued] (its prompt and chosen tokens), for processors that read it."""
+        req = self.live[i]
+        return self.buffers.history[i : i + 1, : len(req.prompt) + req.issued]
+
+    def _make_room(self) -> None:
+        """Move the live span [lo, slot) to the cache's start when the slot has reached the end, or when the dead
+        prefix [0, lo) is at least ``COMPACT_MIN`` keys and half of what the step reads. A request never needs more
+        than the cache holds (checked at admission), so after the move the slot is inside the cache."""
+        lo = min(r.start for r in self.live)
+        if self.slot >= self.buffers.max_len or (lo >= COMPACT_MIN and 2 * lo >= self.slot):
+            self.buffers.shift(len(self.live), lo, self.slot, -lo)
+            for r in self.live:
+                r.start -= lo
+            self.slot -= lo
+
+    def _release(self, req: Request) -> None:
+        """Free ``req``'s row; the last live row moves into it, so rows 0..n-2 stay packed."""
+        row, last = req.row, len(self.live) - 1
+        if row != last:
+            mover = self.live[last]
+            self.buffers.move_row(last, row, mover.start, self.slot)
+            mover.row = row
+            self.live[row] = mover
+        self.live.pop()
+        req.row = None
+
+    # -- reading the tokens back -------------------------------------------------------------------------------------
+
+    def _read(self, lag: int) -> None:
+        for tokens, logprobs, requests in self.readback.ready(lag):
+            now = time.perf_counter()
+            for i, req in enumerate(requests):
+                if req.done:
+                    continue  # a step after its EOS, before the host saw it
+                token = tokens[i]
+                req.tokens.append(token)
+                if logprobs is not None:
+                    req.logprobs.append(logprobs[i])
+                if req.timestamps:
+                    req.times.append(now)
+                if self.stream:
+                    self.updated.append(req)
+                if token in req.eos or len(req.tokens) >= req.max_new:
+                    if req.row is not None:
+                        self._release(req)
+                    req.end(RequestStatus.FINISHED)
+                    self.finished.append(req)
+
+
+class EachEngine:
+    """The fallback where the fused path does not run: :class:`BatchEngine`'s interface over the model's own
+    ``generate``, one request per ``step`` at batch 1 (whatever path ``generate`` takes there), its seed set around
+    the call. The same greedy tokens as the fused path; samples reproducible, but not the fused path's draws."""
+
+    def __init__(self, model, generation_config, logprobs: bool):
+        # the caller's config as given (None: the model's): generate completes it itself, and warns about values the
+        # completion set (max_length) beside the max_new_tokens given here
+        self.model, self.logprobs = model, logprobs
+        self.config = model.generation_config if generation_config is None else generation_config
+        self.waiting: deque = deque()
+        self.finished: list[Request] = []
+        self.updated: list[Request] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def cancel(self, request_id: str) -> None:
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                req.end(RequestStatus.FAILED, "cancelled")
+                self.finished.append(req)
+
+    def fail_all(self, error: str) -> None:
+        for req in self.waiting:
+            req.end(RequestStatus.FAILED, error)
+            self.finished.append(req)
+        self.waiting.clear()
+
+    def step(self) -> None:
+        req = self.waiting.popleft()
+        req.begin()
+        device = self.model.device
+        ids = torch.tensor([req.prompt], dtype=torch.long, device=device)
+        eos = sorted(req.eos)
+        config = copy.deepcopy(self.config)
+        config.max_new_tokens, config.eos_token_id = req.max_new, eos or None
+        if config.pad_token_id is None:
+            config.pad_token_id = (eos or [None])[0]
+        config.return_dict_in_generate, config.output_scores = True, self.logprobs
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(req.seed)
+                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                          generation_config=config)
+        except Exception as err:  # noqa: BLE001 - this request fails, the others go on
+            req.end(RequestStatus.FAILED, f"{type(err).__name__}: {err}")
+            self.finished.append(req)
+            return
+        tokens = out.sequences[0, ids.shape[1] :].tolist()
+        for i, token in enumerate(tokens):
+            if token in req.eos:
+                tokens = tokens[: i + 1]
+                break
+        req.tokens = tokens
+        if self.logprobs:
+            req.logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
+        if req.timestamps:
+            req.times = [time.perf_counter()] * len(tokens)
+        req.end(RequestStatus.FINISHED)
+        self.finished.append(req)
+
+
+# -- building the engine ---------------------------------------------------------------------------------------------
+
+
+# Whether the fused scheduler serves generate_batch on a GPU. It has run on the CPU emulation only (every kernel it
+# launches is the decode step's, validated on the H200, but its row views, key moves and captured row buckets have
+# not run there): until its CUDA tests (tests/model/test_batch.py, which set this) pass on a GPU, a GPU model serves
+# generate_batch through generate() per request, said once, rather than risk a wrong answer.
+FUSED_ON_GPU = False
+
+
+def batch_blocker(model, generation_config) -> str | None:
+    """None when the requests can run on the fused path, else why not (they then run through ``generate``)."""
+    reason = model.fused_plan.decode_reason
+    if reason is not None:
+        return reason
+    if model.fused_plan.device.type == "cuda" and not FUSED_ON_GPU:
+        return "its fused scheduler has not yet been verified on a GPU (tests/model/test_batch.py's CUDA tests)"
+    mode = generation_config.get_generation_mode()
+    if mode not in FUSED_GENERATION_MODES:
+        return f"the generation mode is {generation_mode_name(mode)} (fused: greedy and sampling)"
+    return None
+
+
+def eos_tokens(model, generation_config, eos=None) -> frozenset:
+    """The EOS token ids a request stops on: ``eos``, else the generation config's, else the model config's
+    (transformers' order); negative ids dropped (transformers' "no EOS")."""
+    if eos is None:
+        eos = generation_config.eos_token_id
+    if eos is None:
+        eos = getattr(model.config.get_text_config(), "eos_token_id", None)
+    return frozenset(t for t in ([eos] if isinstance(eos, int) else eos or []) if t >= 0)
+
+
+def base_seed(cb_config) -> int:
+    """``continuous_batching_config.seed``, else one drawn from torch's default generator (so a call is reproducible
+    after ``torch.manual_seed``); request i samples from its own generator seeded with this plus i."""
+    seed = getattr(cb_config, "seed", None)
+    return int(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)
+
+
+def new_tokens(generation_config, prompt: list[int], max_new_tokens: int | None) -> int:
+    """``max_new_tokens``, else the config's, else its ``max_length`` minus the prompt (at least 1), as ``generate``."""
+    if max_new_tokens is None:
+        max_new_tokens = generation_config.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = max(1, generation_config.max_length - len(prompt))
+    return int(max_new_tokens)
+
+
+def make_requests(model, inputs, generation_config, cb_config, max_new_tokens, record_timestamps) -> list[Request]:
+    """The requests of one call, in the order and with the ids of transformers' ``generate_batch``: ``req_<i>`` per
+    input, and with ``num_return_sequences`` n, ``req_<i>__child#<k>`` (k < n - 1) before each parent.
+    ``max_new_tokens``: an int, one per input (a list: an extension of this repo), or None (``new_tokens``)."""
+    n = max(1, generation_config.num_return_sequences or 1)
+    if isinstance(max_new_tokens, (list, tuple)):
+        if len(max_new_tokens) != len(inputs):
+            raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(inputs)} inputs.")
+        per_input = list(max_new_tokens)
+    else:
+        per_input = [max_new_tokens] * len(inputs)
+    eos, seed = eos_tokens(model, generation_config), base_seed(cb_config)
+    requests = []
+    for i, (prompt, max_new) in enumerate(zip(inputs, per_input)):
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError(f"Input {i} of generate_batch is empty: every request needs a prompt token.")
+        max_new = new_tokens(generation_config, prompt, max_new)
+        for rid in [f"req_{i}__child#{k}" for k in range(n - 1)] + [f"req_{i}"]:
+            requests.append(Request(rid, prompt, max_new, eos, seed + len(requests), record_timestamps))
+    return requests
+
+
+def _state_bytes(text_model) -> tuple[int, int]:
+    """(bytes of one cache token of one row over every attention layer, bytes of one row's DeltaNet states)."""
+    config = text_model.config
+    itemsize = text_model.embed_tokens.weight.element_size()
+    per_token = per_row = 0
+    for layer in text_model.layers[: config.num_hidden_layers]:
+        if layer.block_type == "linear_attention":
+            m = layer.linear_attn
+            per_row += m.conv_dim * m.conv_kernel_size * itemsize + m.num_v_heads * m.head_k_dim * m.head_v_dim * 4
+        else:
+            per_token += 2 * config.num_key_value_heads * layer.self_attn.head_dim * itemsize
+    return per_token, per_row
+
+
+def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_config) -> tuple[int, int, int]:
+    """(rows, cache tokens a row, prefill tokens) for ``count`` requests of at most ``need`` cache tokens each (prompt
+    + new - 1) under the caller's budget:
+
+    - rows: ``max_requests_per_batch``, else min(count, ``DEFAULT_ROWS``); more requests wait for a free row;
+    - cache: twice the longest request, in multiples of ``CACHE_ROUND``, at least ``MIN_DECODE_LEN``;
+    - a token budget ``num_blocks`` x ``page_size`` caps rows x cache (first the cache's headroom, down to the longest
+      request, then the rows unless the caller set them); on CUDA without it, ``max_memory_percent`` (else
+      ``DEFAULT_MEMORY_FRACTION``) of the free memory caps the buffers' bytes the same way. A request longer than a
+      row then fails alone, with an error naming the budget (said once when the budget cuts the sizes)."""
+    set_rows = getattr(cb_config, "max_requests_per_batch", None)
+    rows = set_rows or max(1, min(count, DEFAULT_ROWS))
+    max_len = max(decode_len_bucket(1), -(-2 * need // CACHE_ROUND) * CACHE_ROUND)
+    prefill_len = prefill_len_for(longest_prompt)
+    blocks = getattr(cb_config, "num_blocks", None)
+    per_token, per_row = _state_bytes(text_model)
+    if blocks:
+        # transformers 5.24 calls a block's tokens `page_size`, 5.17 `block_size` (both default 256)
+        tokens = blocks * (getattr(cb_config, "page_size", None) or getattr(cb_config, "block_size", None) or 256)
+    elif text_model.plan.device.type == "cuda":
+        fraction = getattr(cb_config, "max_memory_percent", None) or DEFAULT_MEMORY_FRACTION
+        free = torch.cuda.mem_get_info(text_model.plan.device)[0]
+        prefill_bytes = prefill_len * per_token + per_row
+        tokens = max(0, int(fraction * free) - prefill_bytes - rows * per_row) // max(1, per_token)
+    else:
+        return rows, max_len, prefill_len
+    if rows * max_len > tokens:
+        max_len = max(-(-need // 64) * 64, tokens // rows)
+        if rows * max_len > tokens and not set_rows:
+            rows = max(1, tokens // max_len)
+        max_len = min(max_len, max(64, tokens // rows // 64 * 64))
+        announce(f"batch-budget/{rows}/{max_len}",
+                 f"Qwen3.5 fused kernels: generate_batch runs {rows} requests at a time with {max_len} cache tokens "
+                 f"each, the budget of {tokens} tokens; the others wait for a free row.")
+    return rows, max_len, prefill_len
+
+
+def _allocate(text_model, rows: int, max_len: int, prefill_len: int):
+    """The runner's batch buffers, halving the rows on an out-of-memory error (the requests beyond them wait);
+    a one-line error when even one row does not fit (nothing has run yet)."""
+    runner = text_model.runner
+    while True:
+        try:
+            return runner.batch_state(text_model, rows, max_len, prefill_len)
+        except torch.OutOfMemoryError:
+            runner.drop_batch_state()
+            torch.cuda.empty_cache()
+            if rows == 1:
+                raise RuntimeError(
+                    f"generate_batch: one row of {max_len} cache tokens does not fit in GPU memory; pass a "
+                    "continuous_batching_config with a smaller num_blocks or max_memory_percent, or shorter requests."
+                ) from None
+            rows //= 2
+            announce(f"batch-oom/{rows}", f"Qwen3.5 fused kernels: generate_batch's buffers did not fit in GPU "
+                     f"memory; running {rows} requests at a time.")
+
+
+def build_engine(model, generation_config, cb_config, need: int, count: int, longest_prompt: int,
+                 stream: bool = False, given_config=None):
+    """The engine for requests of at most ``need`` cache tokens (``count`` of them, the longest prompt
+    ``longest_prompt`` tokens), under ``generation_config`` (completed, as ``complete_generation_config`` returns
+    it, from ``given_config``, the caller's): a :class:`BatchEngine` on the fused path, else an :class:`EachEngine`
+    (said once, with the reason). Call it under ``torch.inference_mode()``; the fused engine's calls hold the runner's
+    lock."""
+    logprobs = bool(getattr(cb_config, "return_logprobs", False))
+    reason = batch_blocker(model, generation_config)
+    if reason is not None:
+        announce(f"batch/{reason}", "Qwen3.5 fused kernels: generate_batch runs each request through generate() at "
+                 f"batch 1, one after another (correct, slow) because {reason}.")
+        return EachEngine(model, given_config, logprobs)
+    ignored = [name for name in ("stop_strings", "max_time") if getattr(generation_config, name, None)]
+    if ignored:
+        announce(f"batch/stopping/{ignored}", f"Qwen3.5 fused kernels: generate_batch stops a request on EOS and "
+                 f"max_new_tokens only (as transformers' generate_batch); {ignored} in the generation config are "
+                 "ignored.")
+    text_model = model._text_model()
+    device = text_model.plan.device
+    prepare_special_tokens(model, generation_config, device)
+    rows, max_len, prefill_len = size_buffers(text_model, need, count, longest_prompt, cb_config)
+    buffers = _allocate(text_model, rows, max_len, prefill_len)
+    rule = TokenRule(model, generation_config, device, logprobs, [0])
+    return BatchEngine(model, text_model, buffers, rule, getattr(cb_config, "max_batch_tokens", None), stream)
+
+
+def generate_batch(model, inputs, generation_config=None, continuous_batching_config=None,
+                   record_timestamps: bool = False, progress_bar: bool = False, persistent_manager: bool = False,
+                   warmup: bool = True, **kwargs) -> dict:
+    """transformers' ``generate_batch`` for the fused classes (see the module docstring): ``inputs`` a list of
+    prompts (lists of token ids); returns request id (``req_<i>``) -> ``GenerationOutput`` in input order.
+
+    ``generation_config`` (else the model's) is completed as ``generate`` completes it. On the fused path (greedy or
+    sampling with ``fused_kernels`` on, on a GPU or the tests' CPU emulation) the requests share the decode step as
+    described above; otherwise (said in one log line, with the reason) each runs through ``generate`` at batch 1,
+    which is correct and slow. ``max_new_tokens`` (keyword) may be a list, one per input.
+    ``continuous_batching_config``: ``max_requests_per_batch`` (rows), ``num_blocks`` x ``page_size`` (the cache
+    token budget), ``max_memory_percent``, ``max_batch_tokens`` (prompt tokens admitted between two steps),
+    ``return_logprobs`` and ``seed`` are read; ``persistent_manager`` and ``warmup`` change nothing (the buffers and
+    graphs stay with the model; each graph is captured on its bucket's second step). An error midway ends the
+    requests not finished with it (``error``, status FAILED) and keeps the finished ones, as transformers does."""
+    if not inputs:
+        return {}
+    if BATCH_OUTPUT_REASON is not None:
+        announce("batch/output-type", "Qwen3.5 fused kernels: generate_batch returns a stand-in GenerationOutput "
+                 f"with transformers' fields because {BATCH_OUTPUT_REASON}.")
+    config = complete_generation_config(model, generation_config)
+    max_new_tokens = kwargs.pop("max_new_tokens", None)
+    if kwargs:
+        announce(f"batch/kwargs/{sorted(kwargs)}", "Qwen3.5 fused kernels: generate_batch ignores the keyword "
+                 f"arguments {sorted(kwargs)}, as transformers' generate_batch does (set them in the generation "
+                 "config).")
+    requests = make_requests(model, inputs, config, continuous_batching_config, max_new_tokens, record_timestamps)
+    bar = None
+    if progress_bar:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(requests), desc=f"Solving {len(requests)} requests", unit="request")
+    decoding = [r for r in requests if r.max_new > 1] or requests
+    need = max(len(r.prompt) + r.max_new - 1 for r in decoding)
+    with torch.inference_mode(), model._text_model().runner.lock:
+        engine = build_engine(model, config, continuous_batching_config, need, len(decoding),
+                              max(len(r.prompt) for r in requests), given_config=generation_config)
+        for req in requests:
+            engine.add(req)
+        try:
+            while engine.busy:
+                engine.step()
+                if bar is not None:
+                    bar.update(len(engine.finished) - bar.n)
+        except Exception as err:  # noqa: BLE001 - the finished requests are kept; the others end with the error
+            logger.error(f"generate_batch: error during batch generation ({type(err).__name__}: {err})",
+                         exc_info=True)
+            engine.fail_all(f"{type(err).__name__}: {err}")
+    if bar is not None:
+        bar.close()
+    failed = [r for r in requests if r.status == RequestStatus.FAILED]
+    if failed:
+        logger.error(f"Requests {[r.request_id for r in failed]} failed during generation (the first: "
+                     f"{failed[0].error}).")
+    return {r.request_id: r.output() for r in requests}

@@ -1,0 +1,194 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
+"""The buffers ``generate_batch`` runs its requests on (:class:`BatchState`), and the row operations its scheduler
+(``fused_batch``) makes on them.
+
+One decode state of R rows (:class:`fused_decode.DecodeState`), every row an independent request; views of its first
+rows at a few row counts (``ROW_BUCKETS``), each with its own captured decode step; and a batch-1 state the prompts
+are prefilled in (the fused prefill, replayed from a captured graph per prompt-length bucket) before their state is
+copied into a row.
+
+How independent requests share the decode step. The step writes every row's new key / value at one cache index, the
+shared ``slot`` [1], and each row attends over the indices 0..slot its ``key_valid`` row marks. So each request's
+keys sit in a window that ends at the slot: a request that joins when the slot is S with a P-token prompt gets its
+prompt's keys / values at [S - P, S), ``key_valid`` True there only, its conv and recurrent state copied into its row
+and its positions at P. The keys are stored rotated at each request's own positions and the masks are per row, so
+where a window sits in the cache does not change what the row computes. The live windows together span [lo, S), lo
+the oldest live request's first index; the scheduler moves that span as a whole (:meth:`BatchState.shift`): left by
+lo when the slot reaches the end of the cache (or the dead prefix [0, lo) that every step still reads grows large),
+right when a request joins whose prompt is longer than S. A free row is simply not read: its outputs are ignored and
+its row is overwritten when a request takes it.
+"""
+
+import torch
+
+from .fused_decode import DecodeState, decode_len_bucket
+from .fused_graphs import forward_len_bucket
+from .fused_plan import FusedPlan
+
+# The decode step runs at the smallest of these row counts that holds the live requests (at most the state's R rows,
+# which is a bucket too): one captured graph each, the graph of R rows not recaptured when fewer requests remain.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# A move of a window whose source and destination overlap goes through a temporary of at most this many tokens a
+# chunk (rows x KV x chunk x D elements), so a shift never allocates a copy of the whole cache.
+SHIFT_CHUNK = 1024
+
+
+def prefill_len_for(prompt: int) -> int:
+    """Tokens of the batch-1 prefill state for prompts of up to ``prompt`` tokens: the prompt left-padded to its
+    forward length bucket, plus the one token its captured prefill is sized for, in a decode length bucket."""
+    return decode_len_bucket(forward_len_bucket(prompt) + 1)
+
+
+def row_bucket(rows: int, most: int) -> int:
+    """The row count the step runs ``rows`` live requests at: the smallest ``ROW_BUCKETS`` entry >= rows, or
+    ``most`` (the state's rows) beyond them."""
+    for bucket in ROW_BUCKETS:
+        if bucket >= rows:
+            return min(bucket, most)
+    return most
+
+
+def move_span(t: torch.Tensor, dim: int, lo: int, hi: int, delta: int) -> None:
+    """Move ``t``'s indices [lo, hi) along ``dim`` to [lo + delta, hi + delta), in place. Chunks are moved in the
+    order that reads each source chunk before anything overwrites it (ascending to the left, descending to the
+    right); a chunk longer than ``|delta|`` overlaps its destination and is copied through a temporary."""
+    n = hi - lo
+    if n <= 0 or delta == 0:
+        return
+    chunk = min(n, max(abs(delta), SHIFT_CHUNK))
+    starts = list(range(lo, hi, chunk))
+    for a in starts if delta < 0 else reversed(starts):
+        size = min(chunk, hi - a)
+        src = t.narrow(dim, a, size)
+        t.narrow(dim, a + delta, size).copy_(src.clone() if size > abs(delta) else src)
+
+
+class BatchState:
+    """The buffers of ``generate_batch`` for R rows and a cache of L tokens a row (see the module docstring).
+
+    - ``state``: the R-row :class:`DecodeState` (conv [R, conv_dim, K] and fp32 recurrent [R, HV, Dk, Dv] per
+      DeltaNet layer, keys / values [R, KV, L, D] per attention layer, ``positions`` [3, R, 1], ``key_valid`` [R, L],
+      the shared ``slot`` [1]);
+    - ``views``: row count -> a :meth:`DecodeState.view_rows` of its first rows (its own step graph);
+    - ``prefill``: a batch-1 :class:`DecodeState` of ``prefill_len`` tokens, the prompts' fused prefill target;
+    - ``tokens`` [R] int64: each row's last chosen token, the next step's input (it never leaves the device);
+    - ``history`` [R, L + 1] int64 and ``lengths`` [R] int64: each row's prompt and chosen tokens, kept only when a
+      logits processor reads the sequence (``ensure_history``).
+
+    Every operation here is a device copy queued on the stream: none waits for the GPU.
+    """
+
+    def __init__(self, text_model, plan: FusedPlan, rows: int, max_len: int, prefill_len: int):
+        self.rows, self.max_len, self.prefill_len = rows, max_len, prefill_len
+        self.state = DecodeState(text_model, plan, rows, max_len)
+        self.prefill = DecodeState(text_model, plan, 1, prefill_len)
+        self.views = {rows: self.state}
+        with torch.inference_mode(False):
+            self.tokens = torch.zeros(rows, dtype=torch.long, device=self.state.device)
+        self.history = None
+        self.lengths = None
+
+    def view(self, live: int) -> DecodeState:
+        """The state the step runs ``live`` packed rows at (rows 0..live-1 hold the requests)."""
+        rows = row_bucket(live, self.rows)
+        view = self.views.get(rows)
+        if view is None:
+            view = self.views[rows] = DecodeState.view_rows(self.state, rows)
+        return view
+
+    def grow_prefill(self, text_model, plan: FusedPlan, prompt: int) -> None:
+        """A prefill state for prompts of ``prompt`` tokens, in place of a smaller one (its graphs go with it)."""
+        self.prefill.drop()
+        self.prefill_len = prefill_len_for(prompt)
+        self.prefill = DecodeState(text_model, plan, 1, self.prefill_len)
+
+    def ensure_history(self) -> None:
+        if self.history is None:
+            with torch.inference_mode(False):
+                self.history = torch.zeros(self.rows, self.max_len + 1, dtype=torch.long, device=self.state.device)
+                self.lengths = torch.zeros(self.rows, dtype=torch.long, device=self.state.device)
+
+    def nbytes(self) -> int:
+        return self.state.nbytes() + self.prefill.nbytes()
+
+    def drop(self) -> None:
+        """Free every graph (the runner released the buffers, or replaced them with larger ones)."""
+        for view in self.views.values():
+            view.drop()
+        self.prefill.drop()
+
+    def drop_stale_graphs(self) -> None:
+        """Capture again where a parameter was replaced since a capture (an adapter injected, a reload)."""
+        for view in self.views.values():
+            if view.graph and not view.graph_weights.unchanged():
+                view.drop_graph()
+
+    def describe(self) -> dict:
+        return {
+            "rows": self.rows,
+            "max_len": self.max_len,
+            "prefill_len": self.prefill_len,
+            "cache_bytes": self.nbytes(),
+            "row_buckets_captured": sorted(rows for rows, view in self.views.items() if view.graph),
+            "prompt_buckets_captured": sorted(n for n, g in self.prefill.prefill_graphs.items() if g.graph),
+        }
+
+    # -- row operations ----------------------------------------------------------------------------------------------
+
+    def load_prompt(self, row: int, slot: int, pad: int, length: int, prompt: torch.Tensor,
+                    first: torch.Tensor) -> None:
+        """Row ``row`` <- the request ``prefill`` holds now, its ``length`` real tokens at [pad, pad + length) there:
+        conv and recurrent state, keys / values at [slot - length, slot), ``key_valid`` True there only, positions
+        ``length`` (the next token's), ``tokens[row]`` = ``first`` [1] (the token chosen from the prompt's logits);
+        with a history, ``prompt`` [length] and ``first`` as its first ``length + 1`` entries."""
+        st, pre = self.state, self.prefill
+        for i, conv in st.conv.items():
+            conv[row].copy_(pre.conv[i][0])
+            st.recurrent[i][row].copy_(pre.recurrent[i][0])
+        lo = slot - length
+        for kv, src in ((st.keys, pre.keys), (st.values, pre.values)):
+            for i, t in kv.items():
+                t[row, :, lo:slot].copy_(src[i][0, :, pad : pad + length])
+        st.key_valid[row].zero_()
+        st.key_valid[row, lo:slot] = True
+        st.positions[:, row].fill_(length)
+        self.tokens[row : row + 1].copy_(first)
+        if self.history is not None:
+            self.history[row, :length].copy_(prompt)
+            self.history[row, length : length + 1].copy_(first)
+            self.lengths[row : row + 1].fill_(length + 1)
+
+    def move_row(self, src: int, dst: int, lo: int, hi: int) -> None:
+        """Row ``dst`` <- row ``src`` (a request moving down as the rows are packed): conv / recurrent state, the
+        keys / values of its window [lo, hi), ``key_valid``, positions, last token and history."""
+        st = self.state
+        for states in (st.conv, st.recurrent):
+            for t in states.values():
+                t[dst].copy_(t[src])
+        for kv in (st.keys, st.values):
+            for t in kv.values():
+                t[dst, :, lo:hi].copy_(t[src, :, lo:hi])
+        st.key_valid[dst].copy_(st.key_valid[src])
+        st.positions[:, dst].copy_(st.positions[:, src])
+        self.tokens[dst : dst + 1].copy_(self.tokens[src : src + 1])
+        if self.history is not None:
+            self.history[dst].copy_(self.history[src])
+            self.lengths[dst : dst + 1].copy_(self.lengths[src : src + 1])
+
+    def shift(self, live: int, lo: int, hi: int, delta: int) -> None:
+        """Move the span [lo, hi) of rows 0..live-1 to [lo + delta, hi + delta) in every attention layer's keys /
+        values and in ``key_valid`` (False outside it), and set the shared slot to ``hi + delta``. One read and one
+        write of the span per layer (``move_span``)."""
+        st = self.state
+        if live and delta:
+            for kv in (st.keys, st.values):
+                for t in kv.values():
+                    move_span(t[:live], 2, lo, hi, delta)
+            valid = st.key_valid[:live]
+            move_span(valid, 1, lo, hi, delta)
+            valid[:, : max(0, lo + delta)] = False
+            valid[:, hi + delta :] = False
+        st.slot.fill_(hi + delta)
+
+    def set_slot(self, slot: int) -> None:
+        self.state.slot.fill_(slot)

@@ -1,0 +1,376 @@
+"""``generate_batch`` (continuous batching) on the fused classes, which stock transformers refuses for Qwen3.5 (issue
+46): requests join and leave one running batch on the fused decode step (``fused_batch``, ``fused_batch_state``).
+
+CPU tests (``@cpu_emulated``): the fused control flow with each kernel replaced by its torch reference. Every request's
+greedy tokens must equal a batch-1 fused ``generate`` of its prompt (and stock's), with more requests than rows, mixed
+prompt lengths and ``max_new_tokens`` (requests joining and leaving mid-run), the live span moved right (a long
+prompt joining) and left (a cache small enough to fill); sampling must be reproducible per request seed and
+independent of the requests beside it; EOS and ``max_new_tokens`` stop each request alone; a request over the budget
+or out of memory fails alone, and an error midway keeps the finished outputs; the result has transformers' type;
+the streaming manager hands out each token as it comes.
+
+GPU test (``@pytest.mark.cuda``; ``python -m pytest -m cuda -q tests/model/test_batch.py``): the same greedy equality
+in fp32 through the captured step at each row bucket, and bf16 reproducibility.
+"""
+
+import logging
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+import helpers
+from helpers import cpu_emulated, fused_on_cpu  # noqa: F401 - the fixture, used by every @cpu_emulated test
+from helpers import generate_stock, stock_and_fused_lm, stock_and_fused_moe_lm
+from scripts.common import import_module
+
+batch_mod = import_module("fused_batch")
+batch_state = import_module("fused_batch_state")
+
+# Weights at 5x the config's default spread: at 0.02 the tiny model's greedy tokens only repeat the prompt's last
+# token, which any row mix-up would reproduce; at 0.1 each token depends on the context.
+SPREAD = dict(initializer_range=0.1)
+LENGTHS = (5, 1, 17, 9, 70, 3, 12)  # 70: joins after shorter prompts, so the live span moves right for it
+NEW = (6, 3, 12, 1, 8, 20, 5)  # 1: a request that never takes a row
+
+
+def _prompts(lengths, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in lengths]
+
+
+def _greedy(**kw):
+    return GenerationConfig(do_sample=False, pad_token_id=0, **{"eos_token_id": 255, **kw})
+
+
+def _reference(model, prompt, new, stock=False, **kw):
+    """The tokens a batch-1 ``generate`` gives ``prompt`` (fused, or stock's own code)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        run = generate_stock if stock else (lambda m, *a, **k: m.generate(*a, **k))
+        out = run(model, ids, max_new_tokens=new, **{"do_sample": False, "pad_token_id": 0, "eos_token_id": 255, **kw})
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture
+def shifts(monkeypatch):
+    """The deltas of every move of the live span (> 0: right, for a long prompt; < 0: left, to make room)."""
+    seen = []
+    shift = batch_state.BatchState.shift
+
+    def counting(self, live, lo, hi, delta):
+        if live and delta:
+            seen.append(delta)
+        return shift(self, live, lo, hi, delta)
+
+    monkeypatch.setattr(batch_state.BatchState, "shift", counting)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@cpu_emulated
+def test_greedy_matches_batch_1_generate(kind, shifts):
+    stock, fused = stock_and_fused_lm(seed=0, **SPREAD) if kind == "dense" else stock_and_fused_moe_lm(seed=0, **SPREAD)
+    prompts = _prompts(LENGTHS)
+    out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(NEW),
+                               continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=3))
+    assert list(out) == [f"req_{i}" for i in range(len(prompts))]
+    for (rid, got), prompt, new in zip(out.items(), prompts, NEW):
+        assert got.status == RequestStatus.FINISHED and got.error is None, (rid, got.error)
+        want = _reference(fused, prompt, new)
+        assert got.generated_tokens == want, rid
+        assert want == _reference(stock, prompt, new, stock=True), rid
+    assert any(d > 0 for d in shifts)  # the 70-token prompt joined a shorter live span
+    assert fused.describe()["decode"]["generate_batch"]["rows"] == 3
+
+
+@cpu_emulated
+def test_the_live_span_moves_left_when_the_cache_fills(monkeypatch, shifts):
+    """Two rows of 64 cache tokens (a token budget of 2 blocks of 64): the slot reaches the end of the cache while
+    requests are live, the span moves left (through chunks of 3 tokens, so overlapping moves are exercised), and every
+    request's tokens stay those of batch-1 generate."""
+    monkeypatch.setattr(batch_state, "SHIFT_CHUNK", 3)
+    _, fused = stock_and_fused_lm(seed=1, **SPREAD)
+    lengths, new = (20, 9, 30, 4, 15), [30, 40, 25, 44, 30]
+    prompts = _prompts(lengths, seed=4)
+    cb = _cb_config(max_requests_per_batch=2, num_blocks=2, page_size=64)
+    out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=new, continuous_batching_config=cb)
+    assert fused.describe()["decode"]["generate_batch"]["max_len"] == 64
+    assert any(d < 0 for d in shifts)
+    for (rid, got), prompt, n in zip(out.items(), prompts, new):
+        assert got.generated_tokens == _reference(fused, prompt, n), rid
+
+
+@pytest.mark.parametrize("delta", [-5, -2, 2, 5])
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_move_span_matches_a_copy(monkeypatch, delta, chunk):
+    monkeypatch.setattr(batch_state, "SHIFT_CHUNK", chunk)
+    t = torch.arange(2 * 3 * 20, dtype=torch.float32).view(2, 3, 20)
+    for lo, hi in ((5, 13), (6, 7), (5, 15)):
+        want = t.clone()
+        want[:, :, lo + delta : hi + delta] = t[:, :, lo:hi]
+        got = t.clone()
+        batch_state.move_span(got, 2, lo, hi, delta)
+        assert torch.equal(got, want), (lo, hi)
+
+
+@cpu_emulated
+def test_eos_stops_each_request_alone():
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    prompts = _prompts(LENGTHS[:5])
+    free = [_reference(fused, p, 12) for p in prompts]
+    # request 0 stops at the first token it has not emitted before (from its third on); the others stop where they
+    # emit it, or run to 12
+    stop = next(i for i in range(2, 12) if free[0][i] not in free[0][:i])
+    eos = free[0][stop]
+    out = fused.generate_batch(prompts, generation_config=_greedy(eos_token_id=eos), max_new_tokens=12,
+                               continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=2))
+    for (rid, got), prompt, tokens in zip(out.items(), prompts, free):
+        want = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+        assert got.generated_tokens == want == _reference(fused, prompt, 12, eos_token_id=eos), rid
+    assert len(out["req_0"].generated_tokens) == stop + 1 < 12
+
+
+@cpu_emulated
+def test_processors_that_read_the_sequence_and_logprobs_match_generate():
+    """Processors that read each request's own sequence (kept on the device per row, moved with its row): a
+    repetition penalty, no repeated token (``no_repeat_ngram_size=1``: every earlier token banned), ``min_new_tokens``;
+    the log-probabilities are those of ``generate``'s processed scores."""
+    _, fused = stock_and_fused_lm(seed=2, **SPREAD)
+    prompts = _prompts(LENGTHS[:5], seed=5)
+    new = [7, 3, 9, 4, 6]  # request 1 leaves before request 0: request 2 moves into row 1 mid-run, its sequence too
+    kw = dict(repetition_penalty=1.3, no_repeat_ngram_size=1, min_new_tokens=3)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=2, return_logprobs=True)
+    out = fused.generate_batch(prompts, generation_config=_greedy(**kw), max_new_tokens=new,
+                               continuous_batching_config=cb)
+    for (rid, got), prompt, n in zip(out.items(), prompts, new):
+        with torch.no_grad():
+            ref = fused.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 eos_token_id=255, return_dict_in_generate=True, output_scores=True, **kw)
+        tokens = ref.sequences[0, len(prompt):].tolist()
+        assert got.generated_tokens == tokens, rid
+        want = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(ref.scores, tokens)]
+        assert got.logprobs == pytest.approx(want, abs=1e-5), rid
+
+
+@cpu_emulated
+def test_sampling_is_reproducible_per_request_seed_and_independent_of_the_batch():
+    _, fused = stock_and_fused_lm(seed=2, **SPREAD)
+    prompts = _prompts(LENGTHS[:5], seed=6)
+    others = _prompts((8, 2), seed=7)
+    config = GenerationConfig(do_sample=True, temperature=0.8, top_k=40, pad_token_id=0, eos_token_id=255)
+
+    def run(inputs, rows, seed=11):
+        cb = ContinuousBatchingConfig(max_requests_per_batch=rows, seed=seed)
+        out = fused.generate_batch(inputs, generation_config=config, max_new_tokens=10, continuous_batching_config=cb)
+        return [o.generated_tokens for o in out.values()]
+
+    first = run(prompts, 2)
+    assert run(prompts, 2) == first  # the same call again
+    assert run(prompts, 5) == first  # all at once: other rows, other row buckets
+    assert run([prompts[0], *others], 3)[0] == first[0]  # other requests beside it
+    assert run(prompts, 2, seed=12) != first
+    torch.manual_seed(0)
+    unseeded = run(prompts, 2, seed=None)
+    torch.manual_seed(0)
+    assert run(prompts, 2, seed=None) == unseeded
+
+
+@cpu_emulated
+def test_a_request_over_the_budget_fails_alone():
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    prompts = _prompts((6, 40, 9))
+    cb = _cb_config(max_requests_per_batch=2, num_blocks=2, page_size=64)  # 64 cache tokens a row
+    out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=[5, 40, 7],
+                               continuous_batching_config=cb)
+    assert out["req_1"].status == RequestStatus.FAILED
+    assert "needs 79 cache tokens" in out["req_1"].error and "num_blocks" in out["req_1"].error
+    for rid, prompt, new in (("req_0", prompts[0], 5), ("req_2", prompts[2], 7)):
+        assert out[rid].status == RequestStatus.FINISHED
+        assert out[rid].generated_tokens == _reference(fused, prompt, new)
+
+
+@cpu_emulated
+def test_out_of_memory_fails_only_what_it_hits(monkeypatch):
+    """The buffers halve their rows until they fit (said once); a prompt whose prefill runs out of memory fails alone;
+    an error in a decode step ends the requests still running and keeps every finished output."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    runner = fused._text_model().runner
+    make, prefill, decode = runner.batch_state, batch_mod.BatchEngine._prefill, batch_mod.BatchEngine._decode
+
+    def small_only(text_model, rows, *args):
+        if rows > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return make(text_model, rows, *args)
+
+    def prefill_oom(self, req):
+        if len(req.prompt) == 70:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return prefill(self, req)
+
+    steps = []
+
+    def decode_then_fail(self):
+        steps.append(1)
+        if len(steps) == 25:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return decode(self)
+
+    monkeypatch.setattr(runner, "batch_state", small_only)
+    monkeypatch.setattr(batch_mod.BatchEngine, "_prefill", prefill_oom)
+    monkeypatch.setattr(batch_mod.BatchEngine, "_decode", decode_then_fail)
+    prompts = _prompts(LENGTHS)
+    out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(NEW),
+                               continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=4))
+    assert any(key.startswith("batch-oom/") for key in helpers.plan_mod.announced())
+    assert fused.describe()["decode"]["generate_batch"]["rows"] == 1
+    assert "out of memory prefilling its 70-token prompt" in out["req_4"].error
+    finished = [rid for rid, o in out.items() if o.status == RequestStatus.FINISHED]
+    failed = [rid for rid, o in out.items() if o.status == RequestStatus.FAILED and "OutOfMemoryError" in o.error]
+    assert finished and failed and len(finished) + len(failed) + 1 == len(prompts)
+    for rid in finished:
+        i = int(rid.removeprefix("req_"))
+        assert out[rid].generated_tokens == _reference(fused, prompts[i], NEW[i]), rid
+
+
+@cpu_emulated
+def test_the_result_is_transformers_generate_batch_result():
+    stock, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    prompts = _prompts((4, 7))
+    with pytest.raises(ValueError, match="linear_attention"):  # the issue: stock refuses Qwen3.5
+        stock.generate_batch(prompts, generation_config=_greedy(max_new_tokens=2))
+    config = GenerationConfig(do_sample=True, num_return_sequences=2, max_new_tokens=3, pad_token_id=0,
+                              eos_token_id=255)
+    out = fused.generate_batch(prompts, generation_config=config, record_timestamps=True)
+    assert list(out) == ["req_0__child#0", "req_0", "req_1__child#0", "req_1"]  # transformers' ids and order
+    for rid, got in out.items():
+        assert type(got) is GenerationOutput and got.request_id == rid
+        assert got.prompt_ids == prompts[int(rid[4])] and len(got.generated_tokens) == 3
+        assert got.status == RequestStatus.FINISHED and got.is_finished() and got.error is None
+        assert got.logprobs == [] and len(got.timestamps) == 3
+        assert got.created_time <= got.lifespan[0] <= got.lifespan[1]
+    assert fused.generate_batch([]) == {}
+
+
+@cpu_emulated
+def test_without_the_fused_path_each_request_runs_generate(caplog):
+    stock, fused = stock_and_fused_lm(seed=0, fused_kernels=False, **SPREAD)
+    prompts = _prompts(LENGTHS[:3])
+    with caplog.at_level(logging.WARNING):
+        out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(NEW[:3]))
+    assert "generate_batch runs each request through generate() at batch 1" in caplog.text
+    assert "fused_kernels is off" in caplog.text
+    for (rid, got), prompt, new in zip(out.items(), prompts, NEW):
+        assert got.status == RequestStatus.FINISHED
+        assert got.generated_tokens == _reference(stock, prompt, new, stock=True), rid
+
+
+@cpu_emulated
+def test_the_manager_streams_tokens_and_cancels():
+    """``init_continuous_batching`` gives the fused manager, which transformers' own context manager starts and stops:
+    a streaming request's outputs grow one token at a time up to its finished one; a cancelled request ends failed
+    with the tokens so far; the others match batch-1 generate."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    prompts = _prompts(LENGTHS[:4])
+    cb = ContinuousBatchingConfig(max_requests_per_batch=2)
+    with fused.continuous_batching_context_manager(generation_config=_greedy(max_new_tokens=6),
+                                                   continuous_batching_config=cb) as manager:
+        assert type(manager).__name__ == "FusedBatchManager"
+        streamed = manager.add_request(prompts[0], streaming=True, max_new_tokens=5)
+        long = manager.add_request(prompts[1], max_new_tokens=4000)
+        rest = manager.add_requests(prompts[2:])
+        outputs = list(manager.request_id_iter(streamed))
+        manager.cancel_request(long)
+        results = {}
+        while len(results) < 3:
+            result = manager.get_result(timeout=30)
+            assert result is not None, results
+            results[result.request_id] = result
+    assert [len(o.generated_tokens) for o in outputs] == [1, 2, 3, 4, 5]
+    assert outputs[-1].status == RequestStatus.FINISHED and outputs[-2].status == RequestStatus.DECODING
+    assert outputs[-1].generated_tokens == _reference(fused, prompts[0], 5)
+    assert results[long].status == RequestStatus.FAILED and results[long].error == "cancelled"
+    assert len(results[long].generated_tokens) < 4000
+    for rid, prompt in zip(rest, prompts[2:]):
+        assert results[rid].generated_tokens == _reference(fused, prompt, 6), rid
+    assert not manager.is_running()
+
+
+def _cb_config(page_size=None, **kwargs):
+    """A ContinuousBatchingConfig whose blocks hold ``page_size`` tokens (the field is `block_size` in 5.17)."""
+    if page_size is not None:
+        field = "page_size" if "page_size" in ContinuousBatchingConfig.__dataclass_fields__ else "block_size"
+        kwargs[field] = page_size
+    return ContinuousBatchingConfig(**kwargs)
+
+
+# -- on the GPU (`@pytest.mark.cuda`; written for the device, not run in the CPU sessions that wrote them) -------------
+# They turn `fused_batch.FUSED_ON_GPU` on: the scheduler serves GPU models only once these pass on one.
+
+
+@pytest.fixture
+def fused_on_gpu(monkeypatch):
+    monkeypatch.setattr(helpers.import_module("fused_batch"), "FUSED_ON_GPU", True)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.cuda
+@pytest.mark.usefixtures("fused_on_gpu")
+def test_greedy_matches_batch_1_generate_cuda(kind):
+    """fp32 through the captured decode step at row buckets up to 4 (each captured on its second step, replayed after)
+    and the captured prefill of the prompts' length buckets, on two calls; every request's tokens those of a batch-1
+    fused ``generate``."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD) if kind == "dense" else stock_and_fused_moe_lm(seed=0, **SPREAD)
+    fused = fused.cuda()
+    prompts = _prompts((5, 1, 17, 9, 70, 3, 12, 33, 2))
+    new = [24, 3, 40, 1, 16, 64, 5, 30, 48]
+    cb = ContinuousBatchingConfig(max_requests_per_batch=4)
+    for _ in range(2):
+        out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=new,
+                                   continuous_batching_config=cb)
+        for (rid, got), prompt, n in zip(out.items(), prompts, new):
+            assert got.status == RequestStatus.FINISHED, got.error
+            ids = torch.tensor([prompt], device="cuda")
+            with torch.no_grad():
+                want = fused.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=255)
+            assert got.generated_tokens == want[0, len(prompt):].tolist(), rid
+    info = fused.describe()["decode"]["generate_batch"]
+    assert 4 in info["row_buckets_captured"] and set(info["row_buckets_captured"]) <= {1, 2, 4}
+    assert 64 in info["prompt_buckets_captured"]  # most prompts share the 64-token bucket: replayed from its second
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("fused_on_gpu")
+def test_bf16_first_tokens_and_reruns_cuda():
+    """bf16: the first token of every request comes from the same batch-1 prefill as ``generate``'s (equal), and a
+    second call gives the same tokens (the same graphs, the same per-request seeds)."""
+    _, fused = stock_and_fused_lm(seed=0, dtype=torch.bfloat16, **SPREAD)
+    fused = fused.cuda()
+    prompts = _prompts((5, 17, 9, 70, 3, 12))
+    cb = ContinuousBatchingConfig(max_requests_per_batch=4)
+    runs = [fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=32,
+                                 continuous_batching_config=cb) for _ in range(2)]
+    assert [o.generated_tokens for o in runs[0].values()] == [o.generated_tokens for o in runs[1].values()]
+    for got, prompt in zip(runs[0].values(), prompts):
+        with torch.no_grad():
+            want = fused.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=1, do_sample=False,
+                                  pad_token_id=0, eos_token_id=255)
+        assert got.generated_tokens[0] == want[0, -1].item()
+
+
+def test_a_gpu_model_takes_the_scheduler_only_once_verified(monkeypatch):
+    """Until the CUDA tests have passed on a GPU, a GPU model serves generate_batch through generate (the reason is
+    the one its log line gives); the CPU emulation and a verified GPU take the scheduler."""
+    import types
+
+    fused_batch = helpers.import_module("fused_batch")
+    config = GenerationConfig(do_sample=False)
+    model = types.SimpleNamespace(fused_plan=types.SimpleNamespace(decode_reason=None, device=torch.device("cuda")))
+    assert "not yet been verified on a GPU" in fused_batch.batch_blocker(model, config)
+    monkeypatch.setattr(fused_batch, "FUSED_ON_GPU", True)
+    assert fused_batch.batch_blocker(model, config) is None
+    model.fused_plan.device = torch.device("cpu")
+    monkeypatch.setattr(fused_batch, "FUSED_ON_GPU", False)
+    assert fused_batch.batch_blocker(model, config) is None
