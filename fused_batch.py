@@ -499,6 +499,12 @@ class EachEngine:
 FUSED_ON_GPU = False
 
 
+def block_tokens(cb_config) -> int:
+    """The tokens one cache block of ``cb_config`` holds: transformers 5.24 calls it ``page_size``, 5.17
+    ``block_size`` (both default 256)."""
+    return getattr(cb_config, "page_size", None) or getattr(cb_config, "block_size", None) or 256
+
+
 def batch_blocker(model, generation_config) -> str | None:
     """None when the requests can run on the fused path, else why not (they then run through ``generate``)."""
     reason = model.fused_plan.decode_reason
@@ -592,8 +598,7 @@ def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_conf
     blocks = getattr(cb_config, "num_blocks", None)
     per_token, per_row = _state_bytes(text_model)
     if blocks:
-        # transformers 5.24 calls a block's tokens `page_size`, 5.17 `block_size` (both default 256)
-        tokens = blocks * (getattr(cb_config, "page_size", None) or getattr(cb_config, "block_size", None) or 256)
+        tokens = blocks * block_tokens(cb_config)
     elif text_model.plan.device.type == "cuda":
         fraction = getattr(cb_config, "max_memory_percent", None) or DEFAULT_MEMORY_FRACTION
         free = torch.cuda.mem_get_info(text_model.plan.device)[0]

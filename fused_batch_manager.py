@@ -26,7 +26,7 @@ import threading
 import torch
 from transformers.utils import logging
 
-from .fused_batch import Request, base_seed, build_engine, eos_tokens, new_tokens
+from .fused_batch import Request, base_seed, block_tokens, build_engine, eos_tokens, new_tokens
 from .fused_compat import RequestStatus, complete_generation_config
 from .fused_plan import announce
 
@@ -177,7 +177,7 @@ class FusedBatchManager:
         blocks = getattr(cb, "num_blocks", None)
         need = DEFAULT_CACHE_TOKENS // 2  # the cache is sized at twice the longest request
         if blocks and rows:
-            need = max(1, blocks * getattr(cb, "page_size", 256) // rows // 2)
+            need = max(1, blocks * block_tokens(cb) // rows // 2)
         return build_engine(self.model, self.generation_config, cb, need, rows or 1 << 30, 1, stream=True,
                             given_config=self._given_config)
 
