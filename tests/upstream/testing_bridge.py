@@ -18,6 +18,51 @@ if importlib.util.find_spec("httpx") is None:
 
 import transformers.testing_utils as _tu  # noqa: E402 - after the httpx alias
 
+
+def _unavailable(name: str):
+    def call(*args, **kwargs):
+        raise NotImplementedError(f"{name} is not in this transformers (the upstream tests are 5.24's)")
+
+    return call
+
+
+def _module_unless_present(name: str, **attrs) -> None:
+    """``name`` importable: the installed one when it exists, else a module holding ``attrs``."""
+    import types
+
+    try:
+        present = importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        present = False
+    if not present:
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        sys.modules[name] = module
+
+
+# Modules of transformers 5.24 the upstream helpers import at module level, which 5.17 lays out otherwise:
+# the FSDP mixin's checkpoint helpers (its tests skip Qwen3.5), and the parameter-plan lookup of the tensor-parallel
+# checks (5.17: `distributed.tensor_parallel._get_parameter_tp_plan`, the same function under another name).
+_module_unless_present(
+    "transformers.distributed.checkpoint",
+    **{fn: _unavailable(f"transformers.distributed.checkpoint.{fn}")
+       for fn in ("load_optimizer_distributed", "save_optimizer_distributed")},
+)
+try:
+    from transformers.distributed.tensor_parallel import _get_parameter_tp_plan as _parameter_plan
+except ImportError:
+    _parameter_plan = _unavailable("transformers.distributed.parallel_utils._get_parameter_plan")
+_module_unless_present("transformers.distributed.parallel_utils", _get_parameter_plan=_parameter_plan)
+
+
+def require_flex_attention(test_case):
+    """Skip the test unless torch has FlexAttention (5.24's decorator; 5.17 lacks it)."""
+    import unittest
+
+    from transformers.utils import is_torch_flex_attn_available
+
+    return unittest.skipUnless(is_torch_flex_attn_available(), "test requires FlexAttention")(test_case)
+
 _UNSET = object()
 
 
@@ -41,6 +86,12 @@ def preserve_module_forwards(model):
                 m.__dict__["forward"] = forward
 
 
-for _name, _value in {"preserve_module_forwards": preserve_module_forwards}.items():
+# Devices locked to the process that opens them, which the tensor-parallel and FSDP mixins skip subprocess tests on
+# (added in 5.24; those mixins skip Qwen3.5 anyway).
+SINGLE_PROCESS_DEVICES = {"tpu"}
+
+for _name, _value in {"preserve_module_forwards": preserve_module_forwards,
+                      "SINGLE_PROCESS_DEVICES": SINGLE_PROCESS_DEVICES,
+                      "require_flex_attention": require_flex_attention}.items():
     if not hasattr(_tu, _name):
         setattr(_tu, _name, _value)
