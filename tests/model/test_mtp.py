@@ -6,15 +6,19 @@
   load it from a checkpoint that has it and save it back under the same keys, bit for bit, in both MoE expert layouts
   the real checkpoints use; stock loads those saves without remote code, ignoring it;
 - a checkpoint without it (a fine-tune saved by stock, whose config still names one) loads as before: no head, the
-  same loading info and log.
+  same loading info and log;
+- the shipped model's head: its files, its acceptance as ``training_report.json`` records it (re-measured on the
+  held-out slice the report records for the tests), and ``generate`` unchanged by it.
 """
 
+import importlib.util
 import json
 import logging
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from helpers import (
@@ -30,6 +34,7 @@ from helpers import (
 from scripts.common import tiny_moe_text_kwargs, tiny_text_kwargs
 
 fused_mtp = import_module("fused_mtp")
+REPO = Path(__file__).resolve().parents[2]
 EAGER = {"experts_implementation": "eager"}  # stock's CPU default (grouped_mm) rounds with the weights' layout
 
 
@@ -330,3 +335,94 @@ def test_a_dropped_head_leaves_the_device_map():
                                                           "lm_head": 0}})()
     compat.forget_device_map_entries(load_config, "mtp")
     assert load_config.device_map == {"model": 0, "mtpx": 0, "lm_head": 0}
+
+
+# -- the shipped model's head -----------------------------------------------------------------------------------------
+
+
+def _train_module():
+    spec = importlib.util.spec_from_file_location("train_mtp_head", REPO / "scripts" / "train_mtp_head.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    return _train_module()
+
+
+@pytest.fixture(scope="module")
+def shipped(trainer):
+    from transformers import AutoTokenizer
+
+    with trainer.torch_linear_attention():
+        model = trainer.load_model(REPO, with_head_config=False)
+    return model, AutoTokenizer.from_pretrained(str(REPO))
+
+
+def test_shipped_files_hold_the_head(shipped):
+    """``config.json`` names one MTP layer in its text config; ``model.safetensors`` holds the head's ``mtp.*`` keys,
+    fp32, beside the unchanged stock composite layout (``test_trained_model.py``), and the fused causal LM loads it."""
+    config = json.loads((REPO / "config.json").read_text())
+    assert config["text_config"]["mtp_num_hidden_layers"] == 1 and "mtp_num_hidden_layers" not in config
+    with safe_open(str(REPO / "model.safetensors"), framework="pt") as f:
+        head = {k: f.get_slice(k).get_dtype() for k in f.keys() if k.startswith("mtp.")}
+    model, _ = shipped
+    expected = {"mtp." + k for k in model.mtp.state_dict()}
+    assert set(head) == expected and set(head.values()) == {"F32"}
+    report = json.loads((REPO / "training_report.json").read_text())["mtp"]
+    assert report["keys"] == len(expected) and not report["training"]["stopped_by_time_limit"]
+
+
+def test_shipped_acceptance_matches_report(trainer, shipped):
+    """The acceptance ``training_report.json`` records for its check slice (the first held-out windows), measured
+    again with the recorded procedure (``mtp_acceptance``), on one thread as recorded: the same numbers, up to fp32
+    summation order (a near-tie flipping one argmax moves a temperature-0 rate by 1 / positions)."""
+    model, tokenizer = shipped
+    recorded = json.loads((REPO / "training_report.json").read_text())["mtp"]["acceptance"]
+    check = recorded["check"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with trainer.torch_linear_attention():
+            got = trainer.mtp_acceptance(model, tokenizer, (REPO / "data" / "heldout.txt").read_text(encoding="utf-8"),
+                                         window=recorded["window"], chain_every=check["chain"]["every"],
+                                         max_windows=check["max_windows"])
+    finally:
+        torch.set_num_threads(threads)
+    assert got["positions"] == check["positions"] and got["chain"]["positions"] == check["chain"]["positions"]
+    assert got["temperature_0"] == pytest.approx(check["temperature_0"], abs=1.5 / got["positions"])
+    assert got["temperature_1"] == pytest.approx(check["temperature_1"], rel=1e-5)
+    assert got["head_nll_next_next_token"] == pytest.approx(check["head_nll_next_next_token"], rel=1e-5)
+    n = got["chain"]["positions"]
+    assert got["chain"]["temperature_0"] == pytest.approx(check["chain"]["temperature_0"], abs=1.5 / n)
+    # sampled drafts: a flipped sample changes one position's product (at most 1 / positions of the mean)
+    assert got["chain"]["temperature_1"] == pytest.approx(check["chain"]["temperature_1"], abs=1.0 / n)
+    # the full measurement is what the README quotes: a head that drafts well enough to be worth a verify step
+    assert 0.3 < recorded["temperature_0"] < 1 and recorded["temperature_1"] > recorded["chain"]["temperature_1"][1]
+
+
+def test_shipped_head_leaves_generate_unchanged(shipped):
+    """``scripts/generate.py``'s call on the shipped repo gives the same tokens with the head loaded as without it
+    (the repo's config without ``mtp_num_hidden_layers``: the files before the head was added), and stock's."""
+    from transformers import AutoModelForCausalLM
+
+    generate = importlib.util.spec_from_file_location("generate_script", REPO / "scripts" / "generate.py")
+    script = importlib.util.module_from_spec(generate)
+    generate.loader.exec_module(script)
+    model, tokenizer = shipped
+    config = configuration.Qwen3_5FusedConfig.from_pretrained(str(REPO))
+    config.text_config.mtp_num_hidden_layers = 0
+    plain = modeling.Qwen3_5FusedForCausalLMLoader.from_pretrained(str(REPO), config=config, dtype=torch.float32)
+    assert model.mtp is not None and plain.mtp is None
+    stock = AutoModelForCausalLM.from_pretrained(str(REPO), dtype=torch.float32)
+    with compat_routing():
+        runs = [script.generate(tokenizer, m, script.DEFAULT_PROMPT, 40, chat=False)["completion"]
+                for m in (model, plain, stock)]
+    assert runs[0] == runs[1] == runs[2]
+
+
+def compat_routing():
+    """Stock's DeltaNet helpers in plain torch (stock on CPU with fla installed would call fla's kernels)."""
+    return import_module("fused_compat").torch_reference_kernels()
