@@ -21,15 +21,22 @@ The fused classes subclass stock Qwen3.5 (public API). What is not public lives 
 - the stock module's DeltaNet helpers, which transformers swaps for flash-linear-attention's Triton kernels when fla
   is installed, whatever the tensors' device: :func:`torch_reference_kernels` routes CPU calls to the plain-torch
   versions;
+- the load hook that keeps the multi-token-prediction head only when the checkpoint has it
+  (``PreTrainedModel._load_pretrained_model``, which receives the checkpoint files before any tensor is read;
+  checked once at import, ``LOAD_HOOK_REASON`` says why not);
 - the MoE checkpoint layouts: transformers converts the Hub's per-expert tensors to its 3D expert parameters at load
   (and back at save) through its conversion mapping, which it skips for remote code unless the class name or
   its model type was registered (:func:`register_expert_layouts`; checked once at import, ``EXPERT_LAYOUTS_REASON``
-  says why not); :func:`per_expert_save` makes a save write the per-expert layout whatever the load read.
+  says why not); :func:`per_expert_save` makes a save write the per-expert layout whatever the load read, and keeps
+  a MoE MTP head's experts in its checkpoint's layout (:func:`convert_head_experts` at load).
 """
 
 import contextlib
+import copy
 import inspect
+import re
 import threading
+from pathlib import Path
 
 import torch
 import transformers
@@ -38,6 +45,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
 from transformers.models.qwen3_5 import modeling_qwen3_5 as stock
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as stock_moe
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
@@ -66,6 +74,7 @@ def _has_param(fn, name: str) -> bool:
 
 DELTANET_CACHE_KW = "cache" if _has_param(Qwen3_5GatedDeltaNet.forward, "cache") else "cache_params"
 ATTENTION_CACHE_KW = "cache" if _has_param(Qwen3_5Attention.forward, "cache") else "past_key_values"
+DECODER_CACHE_KW = "cache" if _has_param(stock.Qwen3_5DecoderLayer.forward, "cache") else "past_key_values"
 CACHE_KWS = ("cache", "cache_params", "past_key_values")
 GENERATE_CACHE_KW = "cache" if _has_param(Qwen3_5ForCausalLM.forward, "cache") else "past_key_values"
 OUTPUT_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -73,6 +82,7 @@ GENERATE_OUTPUT_CACHE_FIELD = (
     "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 )
 MASK_CACHE_KW = "cache" if _has_param(stock.create_causal_mask, "cache") else "past_key_values"
+MASK_TAKES_LAYER_IDX = _has_param(stock.create_causal_mask, "layer_idx")  # which cache layer sizes the mask
 # stock 5.2x hands the attention call's kwargs to the cache layer's update (5.17 passes none)
 ATTENTION_UPDATE_EXTRA = ATTENTION_CACHE_KW == "cache"
 TEXT_FORWARD_ARGS = tuple(inspect.signature(Qwen3_5TextModel.forward).parameters)[1:]
@@ -511,25 +521,153 @@ def register_expert_layouts() -> None:
         module.register_checkpoint_conversion_mapping("qwen3_5_moe_text", mapping, overwrite=True)
 
 
+def _keep_off_head(conversions: list, model) -> list:
+    """``conversions`` with each expert converter of a root model, which transformers applies to every key, kept to
+    the keys under the model's backbone prefix (``model.``): a head beside the backbone keeps the layout of its own
+    checkpoint keys (:func:`head_expert_conversions`). Scoped converters (a composite model's) are left as they are."""
+    from transformers.core_model_loading import WeightConverter
+
+    out = []
+    for t in conversions:
+        if isinstance(t, WeightConverter) and t.scope_prefix is None:
+            t = copy.deepcopy(t)
+            t.scope_prefix, t.base_model_prefix = model.base_model_prefix, ""
+        out.append(t)
+    return out
+
+
+def head_expert_conversions(model, prefix: str) -> list:
+    """transformers' per-expert conversions of ``model`` (its experts' ``*.experts.{j}.gate_proj.weight`` ... <->
+    ``*.experts.gate_up_proj`` / ``down_proj``), scoped to the keys under ``prefix`` (``mtp``): a MoE head outside
+    the backbone, which transformers' conversions (scoped to the backbone in a composite model) do not cover."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    out, seen = [], set()
+    for t in get_model_conversion_mapping(model, add_legacy=False):
+        if isinstance(t, WeightConverter) and tuple(t.source_patterns) not in seen:
+            seen.add(tuple(t.source_patterns))
+            t.scope_prefix, t.base_model_prefix = prefix, ""
+            out.append(t)
+    return out
+
+
+def head_expert_layout(keys, prefix: str) -> str | None:
+    """How checkpoint ``keys`` store the experts of the MoE head under ``prefix``: ``"per-expert"``
+    (``{prefix}.layers.{i}.mlp.experts.{j}.gate_proj.weight``, ...), ``"3d"`` (``...mlp.experts.gate_up_proj`` /
+    ``down_proj``), or None (no experts there: a dense head, or none)."""
+    per_expert = re.compile(rf"^{re.escape(prefix)}\.layers\.\d+\.mlp\.experts\.\d+\.")
+    flat = re.compile(rf"^{re.escape(prefix)}\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+    if any(per_expert.match(k) for k in keys):
+        return "per-expert"
+    return "3d" if any(flat.match(k) for k in keys) else None
+
+
+def convert_head_experts(load_config, model, prefix: str, layout: str | None) -> None:
+    """Before a load: the load's conversions (``load_config.weight_mapping``) kept off the head's keys, plus the
+    head's own per-expert conversions when the checkpoint stores its experts per expert (``layout``)."""
+    if EXPERT_LAYOUTS_REASON is not None or layout is None or load_config.weight_mapping is None:
+        return
+    mapping = _keep_off_head(list(load_config.weight_mapping), model)
+    if layout == "per-expert":
+        mapping += head_expert_conversions(model, prefix)
+    load_config.weight_mapping[:] = mapping  # the load's own list (the config object is frozen)
+
+
 @contextlib.contextmanager
-def per_expert_save(model):
+def per_expert_save(model, head_prefix: str | None = None, head_per_expert: bool = True):
     """While saving ``model``: write the experts in the per-expert Hub layout even when it was loaded from the 3D one.
 
     transformers reverts, at save, the conversions a load used (``model._weight_conversions``), so a model loaded from
     3D tensors would be saved as 3D tensors, which vLLM / SGLang do not read; the model's expert converters are added
-    for the save (a model built without a load already saves per-expert: transformers then reverts all of them)."""
-    if EXPERT_LAYOUTS_REASON is not None or getattr(model, "_weight_conversions", None) is None:
+    for the save (a model built without a load already saves per-expert: transformers then reverts all of them).
+
+    A MoE head under ``head_prefix`` (``mtp``) keeps its own layout: per-expert when ``head_per_expert`` (what its
+    checkpoint had, or a head built from a config), else its 3D tensors as they are; the backbone's converters are
+    kept off its keys."""
+    if EXPERT_LAYOUTS_REASON is not None or (head_prefix is None and
+                                             getattr(model, "_weight_conversions", None) is None):
         yield
         return
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter
+    from transformers.core_model_loading import PrefixChange, WeightConverter
 
-    used = model._weight_conversions
-    have = {tuple(t.source_patterns) for t in used if isinstance(t, WeightConverter)}
-    extra = [t for t in get_model_conversion_mapping(model, add_legacy=False)
-             if isinstance(t, WeightConverter) and tuple(t.source_patterns) not in have]
-    model._weight_conversions = list(used) + extra
+    saved = getattr(model, "_weight_conversions", None)
+    fresh = get_model_conversion_mapping(model, add_legacy=False)
+    if saved is None:  # built without a load: transformers' own defaults, less the prefix a load would have changed
+        used = [t for t in fresh if not isinstance(t, PrefixChange)]
+    else:
+        have = {tuple(t.source_patterns) for t in saved if isinstance(t, WeightConverter)}
+        used = list(saved) + [t for t in fresh if isinstance(t, WeightConverter)
+                              and tuple(t.source_patterns) not in have]
+    if head_prefix is not None:  # the head's converters of the load (if any) replaced by those its layout asks for
+        used = [t for t in _keep_off_head(used, model) if getattr(t, "scope_prefix", None) != head_prefix]
+        used += head_expert_conversions(model, head_prefix) if head_per_expert else []
+    model._weight_conversions = used
     try:
         yield
     finally:
-        model._weight_conversions = used
+        if saved is None:
+            del model._weight_conversions
+        else:
+            model._weight_conversions = saved
+
+
+# -- the load hook of the MTP head ------------------------------------------------------------------------------------
+#
+# A model whose config names an MTP head (`mtp_num_hidden_layers`) builds it, then drops it before the load when the
+# checkpoint holds no `mtp.*` tensor: a fine-tune saved by stock transformers keeps `mtp_num_hidden_layers` in its
+# config but not the head, and must load as it did (no missing keys, no randomly initialised head). The decision
+# needs the checkpoint's tensor names, which transformers resolves inside `from_pretrained` and hands to
+# `_load_pretrained_model(model, state_dict, checkpoint_files, load_config)` before reading any tensor.
+
+_LOAD_HOOK_PARAMS = ("model", "state_dict", "checkpoint_files", "load_config")
+
+
+def _check_load_hook() -> str | None:
+    fn = getattr(PreTrainedModel, "_load_pretrained_model", None)
+    if fn is None:
+        return "transformers' PreTrainedModel has no _load_pretrained_model"
+    params = tuple(inspect.signature(fn).parameters)
+    if params[: len(_LOAD_HOOK_PARAMS)] != _LOAD_HOOK_PARAMS:
+        return (f"transformers' PreTrainedModel._load_pretrained_model takes ({', '.join(params)}), not "
+                f"({', '.join(_LOAD_HOOK_PARAMS)}, ...)")
+    return None
+
+
+# None when the fused classes can match their MTP head to the checkpoint at load; else why not (then a load builds no
+# head, and the checkpoint's `mtp.*` tensors are ignored as stock ignores them).
+LOAD_HOOK_REASON = _check_load_hook()
+
+
+def load_hook_args(args: tuple, kwargs: dict) -> dict:
+    """The arguments of a call to ``_load_pretrained_model`` by name (``model``, ``state_dict``,
+    ``checkpoint_files``, ``load_config``)."""
+    bound = dict(zip(_LOAD_HOOK_PARAMS, args))
+    bound.update({k: v for k, v in kwargs.items() if k in _LOAD_HOOK_PARAMS})
+    return bound
+
+
+def checkpoint_keys(state_dict: dict | None, checkpoint_files: list | None) -> set[str] | None:
+    """The tensor names a load reads: ``state_dict``'s, else the safetensors files' (their headers only); None for
+    other formats (``.bin``, GGUF), whose names cannot be read without loading them."""
+    if state_dict is not None:
+        return set(state_dict)
+    if not checkpoint_files or not all(str(f).endswith(".safetensors") for f in checkpoint_files):
+        return None
+    from safetensors import safe_open
+
+    keys = set()
+    for path in checkpoint_files:
+        with safe_open(str(Path(path)), framework="pt") as f:
+            keys.update(f.keys())
+    return keys
+
+
+def forget_device_map_entries(load_config, prefix: str) -> None:
+    """Remove the entries of the load's device map (``load_config.device_map``, the dict ``from_pretrained`` also
+    dispatches with) for a module ``prefix`` that was dropped before the load."""
+    device_map = getattr(load_config, "device_map", None)
+    if isinstance(device_map, dict):
+        for name in [n for n in device_map if n == prefix or n.startswith(prefix + ".")]:
+            del device_map[name]

@@ -14,6 +14,10 @@ Each class subclasses its stock transformers Qwen3.5 class and only adds the fus
 The dense and MoE classes share their bodies (the ``_Fused*Mixin`` classes); each public class names its stock class,
 its backbone and its config.
 
+The classes with an LM head (the causal LMs and the composite models) also hold the multi-token-prediction head the
+real checkpoints ship (``mtp.*``, ``fused_mtp``), which stock drops at load: when the config names it and the
+checkpoint has it (``_FusedMTPMixin``).
+
 The backbone is built from the fused layer modules (``fused_layers``), with stock's parameter names and shapes, so
 the state dict is stock's. What runs is decided once, in the backbone's :class:`FusedPlan` (``fused_plan``),
 resolved when the model is built, loaded, moved, cast, put in train / eval mode or switched; ``describe()`` renders
@@ -51,9 +55,11 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5TextRotaryEmbedding,
 )
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+    Qwen3_5MoeExperts,
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeForConditionalGeneration,
     Qwen3_5MoeModel,
+    Qwen3_5MoeSparseMoeBlock,
     Qwen3_5MoeTextModel,
     Qwen3_5MoeTextRotaryEmbedding,
     Qwen3_5MoeTopKRouter,
@@ -75,11 +81,17 @@ from .fused_compat import (
     FUSED_GENERATION_MODES,
     GENERATE_CACHE_KW,
     GENERATE_HOOKS_REASON,
+    LOAD_HOOK_REASON,
     allow_experts_implementation,
     bind_forward_args,
+    checkpoint_keys,
+    convert_head_experts,
     find_cache,
+    forget_device_map_entries,
     generation_mode_name,
+    head_expert_layout,
     hook_args,
+    load_hook_args,
     per_expert_save,
     register_expert_layouts,
     with_signature_of,
@@ -91,6 +103,7 @@ from .fused_generate import fused_sample, with_stock_cache
 from .fused_layers import FUSED_OPS, FusedDecoderLayer, FusedRMSNorm, pack_all
 from .fused_ops import prefill_rule_kernel, small_linear_choices
 from .fused_moe import FUSED_MOE_OPS, FusedMoeDecoderLayer
+from .fused_mtp import MTP_PREFIX, Qwen3_5MultiTokenPredictor, mtp_layer_count
 from .fused_plan import LAYER_KINDS, MOE_LAYER_KINDS, FusedPlan, announce, announced
 from .fused_runner import FusedRunner
 
@@ -132,6 +145,8 @@ def _sync_switches(config) -> None:
 # True inside `from_pretrained`, which decides the load's `use_kernels` from the switches the caller passed (applied
 # to the config only after the load): `set_use_kernels` then takes the value as it comes.
 _LOAD_DECIDED_HUB_KERNELS: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_load_hub_kernels", default=False)
+# True inside `from_pretrained`: where transformers' load hook differs (`LOAD_HOOK_REASON`), a load builds no MTP head.
+_LOADING: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_loading", default=False)
 
 
 def _hub_kernels_off(requested) -> bool:
@@ -210,9 +225,11 @@ class _FusedPreTrainedMixin:
                     "layers over GPUs with the fused kernels, or serve the checkpoint with vLLM / SGLang."
                 )
         token = _LOAD_DECIDED_HUB_KERNELS.set(True)  # the load's use_kernels is decided above: passed on as it is
+        loading = _LOADING.set(True)
         try:
             out = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         finally:
+            _LOADING.reset(loading)
             _LOAD_DECIDED_HUB_KERNELS.reset(token)
         model = out[0] if isinstance(out, tuple) else out
         for name, value in overrides.items():
@@ -305,6 +322,13 @@ class _FusedPreTrainedMixin:
         return super()._sample(*args, **kwargs)
 
     # -- switches and reports ----------------------------------------------------------------------------------------
+
+    def _describe_mtp(self) -> dict | None:
+        head = getattr(self, "mtp", None)
+        if head is None:
+            return None
+        return {"layers": len(head.layers), "keys": MTP_PREFIX + "*",
+                "path": "stock layers, plain torch (mtp_draft(); generate does not use it)"}
 
     def _refresh_fused(self) -> None:
         _sync_switches(self.config)
@@ -404,6 +428,7 @@ class _FusedPreTrainedMixin:
             "decode": decode,
             "forward_graphs": forward_graphs,
             "vision_tower": "stock" if hasattr(self._composite_model(), "visual") else None,
+            "mtp": self._describe_mtp(),
             "announced_fallbacks": announced(),
         }
 
@@ -480,8 +505,64 @@ class _FusedTextModelMixin(_FusedPreTrainedMixin):
         return self.stock_forward(**kwargs)
 
 
-class _FusedCausalLMMixin(_FusedPreTrainedMixin):
-    """The causal LM: stock's ``__init__`` with the fused backbone (``_backbone``)."""
+class _FusedMTPMixin:
+    """The multi-token-prediction head of the classes with an LM head: ``self.mtp``
+    (:class:`~fused_mtp.Qwen3_5MultiTokenPredictor`, checkpoint keys ``mtp.*``) or None.
+
+    Held when the config names it (``mtp_num_hidden_layers >= 1`` in the text config) and, for a load, the checkpoint
+    has it: the head is built with the model, and dropped before the load reads a tensor when the checkpoint holds no
+    ``mtp.*`` key (a checkpoint without the head then loads exactly as before: no missing key). Saves write it back
+    under the same keys. Stock classes ignore those keys at load (their ``_keys_to_ignore_on_load_unexpected``), so a
+    repo with the head still loads as stock without remote code. The forward and ``generate`` do not run it;
+    :meth:`mtp_draft` does.
+    """
+
+    def _build_mtp(self, config) -> None:
+        wanted = mtp_layer_count(config) >= 1
+        if wanted and LOAD_HOOK_REASON is not None and _LOADING.get():
+            announce("mtp/load", "Qwen3.5 fused: the checkpoint's multi-token-prediction head (mtp.*) is not loaded "
+                     f"(ignored, as stock ignores it) because {LOAD_HOOK_REASON}.")
+            wanted = False
+        self.mtp = Qwen3_5MultiTokenPredictor(config) if wanted else None
+        # built for a load: the head is still to be matched to the checkpoint, by the load's first tensor read (later
+        # reads, an adapter's through `load_adapter`, hold no head tensors and leave it as it is)
+        self._mtp_unmatched = wanted and _LOADING.get()
+        # how the checkpoint stored a MoE head's experts (`fused_compat.head_expert_layout`), written back so at save;
+        # None: per expert, the Hub's layout (a head built from a config, or a dense head)
+        self._mtp_expert_layout = None
+
+    @classmethod
+    def _load_pretrained_model(cls, *args, **kwargs):
+        a = load_hook_args(args, kwargs)
+        model = a.get("model")
+        if getattr(model, "mtp", None) is not None and model._mtp_unmatched:
+            model._mtp_unmatched = False
+            prefix = MTP_PREFIX.rstrip(".")
+            keys = checkpoint_keys(a.get("state_dict"), a.get("checkpoint_files"))
+            if keys is None or not any(k.startswith(MTP_PREFIX) for k in keys):
+                model.mtp = None
+                forget_device_map_entries(a.get("load_config"), prefix)
+            else:
+                model._mtp_expert_layout = head_expert_layout(keys, prefix)
+                convert_head_experts(a.get("load_config"), model, prefix, model._mtp_expert_layout)
+        return super()._load_pretrained_model(*args, **kwargs)
+
+    def mtp_draft(self, hidden_states: torch.Tensor, next_token_ids: torch.Tensor, **kwargs):
+        """``(logits [B, T, V], draft [B, T, H])`` of the MTP head through the model's embedding and LM head:
+        position t, from the backbone's last hidden state there (``hidden_states`` [B, T, H], after the final norm)
+        and the token at t + 1 (``next_token_ids`` [B, T]), predicts the token at t + 2. ``kwargs``:
+        ``position_ids``, ``attention_mask``, ``cache`` (the head's own ``DynamicCache``), ``layer``
+        (``Qwen3_5MultiTokenPredictor.forward``)."""
+        if self.mtp is None:
+            raise ValueError("this model holds no MTP head: its config names none (mtp_num_hidden_layers) or its "
+                             "checkpoint has no mtp.* tensors")
+        return self.mtp.draft_logits(hidden_states, next_token_ids, self.get_input_embeddings(), self.lm_head,
+                                     **kwargs)
+
+
+class _FusedCausalLMMixin(_FusedMTPMixin, _FusedPreTrainedMixin):
+    """The causal LM: stock's ``__init__`` with the fused backbone (``_backbone``) and the MTP head
+    (``_FusedMTPMixin``)."""
 
     _stock_model: type
     _backbone: type
@@ -495,6 +576,7 @@ class _FusedCausalLMMixin(_FusedPreTrainedMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         for name in self._config_attributes:
             setattr(self, name, getattr(config, name))
+        self._build_mtp(config)
         self.post_init()
 
     def _text_model(self):
@@ -557,8 +639,9 @@ class _FusedCompositeModelMixin(_FusedPreTrainedMixin):
         return self.language_model
 
 
-class _FusedConditionalGenerationMixin(_FusedPreTrainedMixin):
-    """The composite model with its LM head: stock's ``__init__`` with the fused composite backbone."""
+class _FusedConditionalGenerationMixin(_FusedMTPMixin, _FusedPreTrainedMixin):
+    """The composite model with its LM head: stock's ``__init__`` with the fused composite backbone and the MTP head
+    (``_FusedMTPMixin``)."""
 
     _stock_model: type
     _backbone: type
@@ -568,6 +651,7 @@ class _FusedConditionalGenerationMixin(_FusedPreTrainedMixin):
         super(self._stock_model, self).__init__(config)  # the stock class's bases; then stock's __init__, fused
         self.model = self._backbone(config)
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
+        self._build_mtp(config)
         self.post_init()
 
     def _text_model(self):
@@ -664,6 +748,16 @@ class _FusedMoeMixin:
     }
 
     def _init_weights(self, module):
+        if isinstance(module, (Qwen3_5MoeExperts, Qwen3_5MoeSparseMoeBlock)) and not hasattr(self.config,
+                                                                                          "initializer_range"):
+            # a composite model's own MoE block is its MTP head's (the backbone's is its text model's), and stock's
+            # init reads initializer_range from the model's config, which a composite config keeps in its text config
+            # (the router: the branch below)
+            if isinstance(module, Qwen3_5MoeExperts):
+                std = self.config.get_text_config().initializer_range
+                stock_init.normal_(module.gate_up_proj, mean=0.0, std=std)
+                stock_init.normal_(module.down_proj, mean=0.0, std=std)
+            return
         super()._init_weights(module)  # stock MoE's: experts, linears, embeddings
         # stock MoE's init tests for its own DeltaNet / RMSNorm classes; the fused ones subclass the dense twins
         if isinstance(module, Qwen3_5MoeTopKRouter):
@@ -680,8 +774,10 @@ class _FusedMoeMixin:
             stock_init.zeros_(module.weight)
 
     def save_pretrained(self, *args, **kwargs):
-        """Stock's save, the experts always in the per-expert Hub layout (``fused_compat.per_expert_save``)."""
-        with per_expert_save(self):
+        """Stock's save, the backbone's experts always in the per-expert Hub layout, an MTP head's as its checkpoint
+        had them (``fused_compat.per_expert_save``)."""
+        head = MTP_PREFIX.rstrip(".") if getattr(self, "mtp", None) is not None else None
+        with per_expert_save(self, head, getattr(self, "_mtp_expert_layout", None) != "3d"):
             return super().save_pretrained(*args, **kwargs)
 
 

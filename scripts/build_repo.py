@@ -11,14 +11,18 @@ What the output folder holds (a complete Hub repo):
   relatively), ``config.json`` (the base's, with the STOCK ``model_type`` / ``architectures`` plus ``auto_map``,
   ``fused_kernels: true`` and the dtype written, so the repo loads fused with ``trust_remote_code=True`` and as a
   stock Qwen3.5 checkpoint without it), the base's ``generation_config.json``;
-- safetensors in the base's key layout (every base tensor, the ``mtp.*`` head the stock class ignores included), in
-  the requested dtype; tensors a 16-bit base keeps in float32 stay float32;
+- safetensors in the base's key layout (every base tensor, the ``mtp.*`` multi-token-prediction head included: the
+  fused classes load it, the stock class ignores it), in the requested dtype; tensors a 16-bit base keeps in float32
+  stay float32;
 - the base's tokenizer, chat template and processor files, copied byte for byte;
 - ``README.md`` (model card with Hub front matter) and ``verification.json`` (see :func:`verify_repo`).
 
 The merge. Tensor by tensor (:func:`merge_to_folder`): each adapted weight is read, merged in float32 on
 ``--device`` as ``W + scaling · B @ A`` (what PEFT's ``merge_and_unload`` computes, bit for bit) and cast ONCE to the
-target dtype, so RAM holds about one shard plus one tensor, whatever the model's size. Merging in bf16 would round
+target dtype, so RAM holds about one shard plus one tensor, whatever the model's size. LoRA deltas aimed at the
+``mtp.*`` head (an adapter trained on the fused classes, which hold the head, wraps its projections too) are merged
+the same way; the logits check against base + adapter runs stock's classes, which have no head, so it leaves those
+out (:func:`load_adapter`). Merging in bf16 would round
 twice (the LoRA update to bf16, then ``W + update``) and loses the low bits of small updates. The adapter is checked
 against the base from the file headers first (:func:`plan_merge`), so a mismatch is a one-line error in seconds.
 
@@ -424,6 +428,9 @@ def _placement(device: str) -> dict:
 # text backbone `model.*`; composite models name it `model.language_model.*`.
 _PEFT_TEXT = "base_model.model.model."
 _PEFT_COMPOSITE_TEXT = "base_model.model.model.language_model."
+# An adapter trained on the fused classes may adapt the MTP head's projections too (`mtp.*`, beside the backbone in
+# both layouts); stock's classes have no head.
+_PEFT_HEAD = "base_model.model.mtp."
 
 
 def _remap_adapter_keys(keys, expected: set[str]) -> dict[str, str] | None:
@@ -444,7 +451,8 @@ def load_adapter(model, adapter_dir):
     """``PeftModel.from_pretrained`` on ``model`` (float32 LoRA weights), checked to have loaded every adapter tensor.
 
     An adapter trained on the other layout (text-only vs composite) is renamed onto this one; anything else that does
-    not match raises ``ValueError`` instead of merging a partly-loaded adapter.
+    not match raises ``ValueError`` instead of merging a partly-loaded adapter. Tensors aimed at the MTP head
+    (``mtp.*``) are left out: ``model`` is stock's, which has no head (the merge applies them from the files).
     """
     from peft import PeftModel
     from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
@@ -459,8 +467,11 @@ def load_adapter(model, adapter_dir):
         peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
     expected = set(get_peft_model_state_dict(peft_model).keys())
     stored = load_file(str(weights))
+    head = {k for k in stored if k.startswith(_PEFT_HEAD)}
+    stored = {k: v for k, v in stored.items() if k not in head}
     mapping = _remap_adapter_keys(stored, expected) if set(stored) != expected else None
-    if mapping is None:  # PEFT's warnings stand (there are none when every key found its module)
+    # PEFT's warnings stand (there are none when every key found its module, but for the head's it left out)
+    if mapping is None and not (head and set(stored) == expected):
         for w in held:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if set(stored) != expected and mapping is None:

@@ -20,6 +20,9 @@ Reproduce the shipped checkpoint (writes into the repo root)::
 
     python scripts/train_tiny_model.py
 
+The checkpoint written here has no multi-token-prediction head; ``scripts/train_mtp_head.py`` trains the shipped one
+for it afterwards and adds it (``mtp.*``, ``mtp_num_hidden_layers``) to the same files.
+
 On CPU the stock Qwen3.5 linear-attention layers would call flash-linear-attention's Triton kernels when ``fla``
 is installed, which cannot run on CPU tensors; ``torch_linear_attention()`` swaps in the plain torch
 implementations that transformers ships for the duration of the run.

@@ -333,6 +333,63 @@ def test_moe_build(tmp_path, composite):
     assert config["auto_map"] == layout.auto_map and (out / "fused_moe.py").is_file()
 
 
+# LoRA over the backbone and the MTP head: `fc` names only the head's input projection (`mtp.fc`).
+MTP_TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj", "fc"]
+
+
+def test_mtp_head_is_carried_and_its_lora_deltas_merged(tmp_path):
+    """A composite base with an MTP head (``mtp.*``, its config naming it, as real Qwen3.5 checkpoints) and an
+    adapter trained on the fused causal LM, which holds the head, so its LoRA reaches the head's projections too: the
+    build merges the head's deltas in fp32 like the backbone's and copies the head's other tensors unchanged; the
+    folder verifies (the fused class loads the head with no missing key, stock ignores it, and the logits check
+    against base + adapter, on stock's classes, leaves the head's deltas out)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from helpers import configuration, modeling
+
+    base, adapter, out = tmp_path / "base", tmp_path / "adapter", tmp_path / "out"
+    torch.manual_seed(6)
+    kwargs = composite_kwargs(mtp_num_hidden_layers=1)
+    Qwen3_5ForConditionalGeneration(Qwen3_5Config(**kwargs)).save_pretrained(str(base))
+    head = modeling.Qwen3_5FusedForConditionalGeneration(configuration.Qwen3_5FusedConfig(**kwargs)).mtp
+    tensors = load_file(str(base / "model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    tensors.update({"mtp." + k: torch.randn(v.shape, generator=g) * 0.05 for k, v in head.state_dict().items()})
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
+    _write_tokenizer(base, chat_template=True)
+    trained_on = modeling.Qwen3_5FusedForCausalLMLoader.from_pretrained(
+        str(base), config=configuration.Qwen3_5FusedConfig.from_pretrained(str(base)), dtype=torch.float32)
+    assert trained_on.mtp is not None
+    peft_model = get_peft_model(trained_on, LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=MTP_TARGETS))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    peft_model.save_pretrained(str(adapter))
+    head_modules = {k.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                    for k in load_file(str(adapter / "adapter_model.safetensors")) if k.endswith(".lora_A.weight")
+                    and k.startswith("base_model.model.mtp.")}
+    assert head_modules == {"mtp.fc", "mtp.layers.0.self_attn.q_proj", "mtp.layers.0.self_attn.v_proj",
+                            "mtp.layers.0.mlp.gate_proj", "mtp.layers.0.mlp.down_proj"}
+
+    rc = build_repo.main(["--base", str(base), "--adapter", str(adapter), "--out", str(out),
+                          "--base-id", "test-org/tiny-mtp", "--repo-id", "test-org/tiny-mtp-fused"])
+    assert rc == 0
+    result = json.loads((out / "verification.json").read_text())
+    assert result["passed"], result["failed"]
+    assert result["checks"]["keys_vs_base"]["passed"]  # every base tensor, the head's included, names and shapes
+    built, base_weights = _checkpoint(out), _checkpoint(base)
+    reference = _merge_reference(base, adapter, torch.float32, "language_model.")
+    assert built.keys() == reference.keys() == base_weights.keys()
+    for key in reference:
+        assert torch.equal(built[key], reference[key]), key  # the head's deltas too: one fp32 merge
+    for key in (k for k in base_weights if k.startswith("mtp.")):
+        adapted = key.removesuffix(".weight") in head_modules
+        assert torch.equal(built[key], base_weights[key]) != adapted, key  # the rest of the head: copied as it is
+    assert json.loads((out / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 1
+
+
 def test_missing_chat_template_warns(composite_sources, tmp_path, caplog):
     base, _ = composite_sources
     with caplog.at_level("WARNING", logger="build_repo"):
