@@ -41,7 +41,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from scripts.common import import_module, import_repo  # noqa: E402
-from scripts.train_tiny_model import EOS, torch_linear_attention, tokenize_corpus  # noqa: E402
+from scripts.train_tiny_model import (  # noqa: E402
+    EOS,
+    add_optimisation_args,
+    lr_at,
+    tokenize_corpus,
+    torch_linear_attention,
+)
 
 MTP_LAYERS = 1  # mtp_num_hidden_layers of the real Qwen3.5 checkpoints
 
@@ -267,33 +273,13 @@ def write_head(model, repo: Path) -> list[str]:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def lr_at(step: int, args) -> float:
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    floor = args.lr * args.min_lr_ratio
-    return floor + 0.5 * (args.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="Train the MTP head of the small Qwen3.5 shipped at the repo root.")
     ap.add_argument("--repo", default=str(REPO), help="the model folder: read, and written back (default: repo root)")
     ap.add_argument("--data-dir", default=str(REPO / "data"), help="folder with train.txt and heldout.txt")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=1100)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
-    ap.add_argument("--warmup-steps", type=int, default=30)
-    ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--max-train-seconds", type=float, default=2400.0,
-                    help="safety stop: end training after this much wall time even if --steps are not done (the "
-                    "report then says so; the run is only reproducible when it does not trigger)")
-    ap.add_argument("--eval-window", type=int, default=256)
+    add_optimisation_args(ap, steps=1100, warmup_steps=30, max_train_seconds=2400.0)
     ap.add_argument("--chain-every", type=int, default=32, help="chain acceptance at every N-th position (0: none)")
     ap.add_argument("--check-windows", type=int, default=4,
                     help="also measure on the first N held-out windows alone (what the tests re-run)")

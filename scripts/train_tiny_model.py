@@ -395,21 +395,25 @@ def parse_args(argv=None):
     ap.add_argument("--linear-key-heads", type=int, default=2)
     ap.add_argument("--linear-value-heads", type=int, default=4)
     ap.add_argument("--linear-head-dim", type=int, default=32)
-    # optimisation
-    ap.add_argument("--steps", type=int, default=1400)
+    add_optimisation_args(ap, steps=1400, warmup_steps=50, max_train_seconds=2700.0)
+    return ap.parse_args(argv)
+
+
+def add_optimisation_args(ap, steps: int, warmup_steps: int, max_train_seconds: float) -> None:
+    """The optimisation options both trainers take (this one and scripts/train_mtp_head.py), with their defaults."""
+    ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
-    ap.add_argument("--warmup-steps", type=int, default=50)
+    ap.add_argument("--warmup-steps", type=int, default=warmup_steps)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--max-train-seconds", type=float, default=2700.0,
+    ap.add_argument("--max-train-seconds", type=float, default=max_train_seconds,
                     help="safety stop: end training after this much wall time even if --steps are not done (the "
                     "report then says so; the run is only reproducible when it does not trigger)")
     ap.add_argument("--eval-window", type=int, default=256)
-    return ap.parse_args(argv)
 
 
 def main(argv=None):
