@@ -306,7 +306,7 @@ def _cb_config(page_size=None, **kwargs):
     return ContinuousBatchingConfig(**kwargs)
 
 
-# -- on the GPU (`@pytest.mark.cuda`; written for the device, not run in the CPU sessions that wrote them) -------------
+# -- on the GPU (`@pytest.mark.cuda`; not yet run on a device) ---------------------------------------------------------
 # They turn `fused_batch.FUSED_ON_GPU` on: the scheduler serves GPU models only once these pass on one.
 
 
