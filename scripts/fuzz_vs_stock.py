@@ -8,6 +8,9 @@
     python scripts/fuzz_vs_stock.py --replay '{"seed": 17, ...}'
     # the CPU emulation of the GPU path against the GPU path itself, on the same cases (GPU only)
     python scripts/fuzz_vs_stock.py --minutes 5 --emulation-check
+    # several searches side by side (seeds seed*100 + i), one summary: a device call is at most 10 minutes, and one
+    # process leaves most of the GPU and the CPUs (which compile the kernels) idle
+    python scripts/fuzz_vs_stock.py --minutes 8 --workers 6 --out fuzz.json
 
 Each case is drawn from a seed (`draw_case`): a config (dense or MoE; hidden size, attention and linear-attention
 head counts and dims, layer pattern, vocabulary, tied or untied embeddings, experts), weights with realistic spreads
@@ -33,8 +36,11 @@ import contextlib
 import copy
 import json
 import math
+import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -614,11 +620,50 @@ def emulation_check(seed: int, minutes: float | None, cases: int | None, pool: i
     return {"cases": done, "differing": bad}
 
 
+def run_workers(argv: list[str], workers: int, seed: int, log=print) -> dict:
+    """``workers`` searches of this script side by side, worker i from seed ``seed * 100 + i`` (so two runs with
+    different seeds never overlap), each on ``cpu_count // workers`` threads; their summaries merged: cases, rate,
+    failures, and one coverage table over every case drawn."""
+    threads = str(max(1, (os.cpu_count() or 1) // workers))
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    rest, skip = [], False
+    for i, a in enumerate(argv):  # this run's arguments, less those the workers are given their own of
+        if skip:
+            skip = False
+        elif a in ("--workers", "--seed", "--out"):
+            skip = True
+        elif not a.startswith(("--workers=", "--seed=", "--out=")):
+            rest.append(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for i in range(workers):
+            out = Path(tmp) / f"worker{i}.json"
+            cmd = [sys.executable, __file__, *rest, "--seed", str(seed * 100 + i), "--out", str(out), "--drawn"]
+            procs.append((out, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                text=True)))
+        parts = []
+        for i, (out, proc) in enumerate(procs):
+            text, _ = proc.communicate()
+            for line in text.splitlines():
+                if line.startswith(("FAIL", "  reproduce:", "  shrunk:")):
+                    log(f"[worker {i}] {line}")
+            if not out.exists():
+                raise RuntimeError(f"fuzz worker {i} (seed {seed * 100 + i}) ended without a summary (exit "
+                                   f"{proc.returncode}); its output ends:\n" + "\n".join(text.splitlines()[-20:]))
+            parts.append(json.loads(out.read_text()))
+    drawn = [c for p in parts for c in p["drawn"]]
+    minutes = max(p["minutes"] for p in parts)
+    return {"cases": len(drawn), "failures": [f for p in parts for f in p["failures"]],
+            "stock_refused": [r for p in parts for r in p["stock_refused"]], "minutes": minutes,
+            "worker_minutes": sum(p["minutes"] for p in parts), "workers": workers,
+            "per_minute": len(drawn) / max(minutes, 1e-9), "coverage": coverage_table(drawn), "drawn": drawn}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, help="run for this long")
-    parser.add_argument("--cases", type=int, help="run this many cases")
+    parser.add_argument("--cases", type=int, help="run this many cases (each worker)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda (the fused kernels) or cpu (their torch references, the tests' emulation)")
@@ -631,7 +676,10 @@ def main(argv=None) -> int:
                         "default 0 on cpu, 48 on cuda, where each new config compiles its kernels)")
     parser.add_argument("--replay", help="run this one case (JSON, as a failure prints it)")
     parser.add_argument("--emulation-check", action="store_true", help="CPU emulation against the GPU, fp32")
+    parser.add_argument("--workers", type=int, default=1, help="run this many searches side by side (seeds "
+                        "seed*100 + i) and merge their summaries")
     parser.add_argument("--out", help="write the summary as JSON here")
+    parser.add_argument("--drawn", action="store_true", help=argparse.SUPPRESS)  # a worker's summary keeps its cases
     args = parser.parse_args(argv)
     if args.replay:
         case = json.loads(args.replay)
@@ -648,18 +696,24 @@ def main(argv=None) -> int:
         return 1 if out["differing"] else 0
     dtypes = tuple(args.dtypes.split(","))
     pool = args.pool if args.pool is not None else (48 if args.device == "cuda" else 0)
-    out = search(args.seed, args.device, args.minutes, args.cases, dtypes, args.moe, args.max_len,
-                 tuple(args.kinds.split(",")), args.shrink, pool)
-    print(f"\n{out['cases']} cases in {out['minutes']:.1f} min ({out['per_minute']:.1f} a minute) on "
-          f"{args.device}, seed {args.seed}: {len(out['failures'])} failing ({len(out['stock_refused'])} drawn calls "
-          "stock itself refuses were not counted)\n")
+    if args.workers > 1:
+        out = run_workers(sys.argv[1:] if argv is None else list(argv), args.workers, args.seed)
+        runs = (f"{args.workers} workers, {out['worker_minutes']:.1f} worker-minutes in {out['minutes']:.1f} min "
+                f"({out['per_minute']:.1f} cases a minute)")
+    else:
+        out = search(args.seed, args.device, args.minutes, args.cases, dtypes, args.moe, args.max_len,
+                     tuple(args.kinds.split(",")), args.shrink, pool)
+        runs = f"{out['minutes']:.1f} min ({out['per_minute']:.1f} a minute)"
+    print(f"\n{out['cases']} cases in {runs} on {args.device}, seed {args.seed}: {len(out['failures'])} failing "
+          f"({len(out['stock_refused'])} drawn calls stock itself refuses were not counted)\n")
     print(out["coverage"])
     for f in out["failures"]:
         print(f"\nFAIL {describe(f['case'])}\n  {f['failures'][0]}\n  shrunk to {describe(f['shrunk'])}: "
               f"{f['shrunk_failures'][0]}\n  {f['command']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({k: v for k, v in out.items() if k != "drawn"}, indent=2))
+        keep = {k: v for k, v in out.items() if k != "drawn" or args.drawn}
+        Path(args.out).write_text(json.dumps(keep, indent=2))
     return 1 if out["failures"] else 0
 
 
