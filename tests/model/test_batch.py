@@ -362,6 +362,40 @@ def test_the_manager_streams_tokens_and_cancels():
     assert not manager.is_running()
 
 
+@cpu_emulated
+def test_the_manager_prefills_long_prompts_in_chunks(monkeypatch):
+    """``init_continuous_batching(prefill_chunk=...)``: a long prompt added while another request streams is
+    prefilled in chunks between its steps; both get batch-1 tokens."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    prompts = _prompts((9, 150), seed=10)
+    chunks = []
+    chunk_step = batch_mod.BatchEngine._chunk
+
+    def counting(self, tokens):
+        chunks.append(tokens)
+        return chunk_step(self, tokens)
+
+    monkeypatch.setattr(batch_mod.BatchEngine, "_chunk", counting)
+    manager = fused.init_continuous_batching(generation_config=_greedy(), prefill_chunk=32,
+                                             continuous_batching_config=ContinuousBatchingConfig(
+                                                 max_requests_per_batch=2))
+    manager.start()
+    try:
+        short = manager.add_request(prompts[0], max_new_tokens=20, streaming=True)
+        long = manager.add_request(prompts[1], max_new_tokens=6)
+        results = {}
+        while len(results) < 2:
+            result = manager.get_result(timeout=30)
+            assert result is not None, results
+            if result.is_finished():
+                results[result.request_id] = result
+    finally:
+        manager.stop(block=True)
+    assert len(chunks) == 5  # 150 tokens in chunks of 32
+    assert results[short].generated_tokens == _reference(fused, prompts[0], 20)
+    assert results[long].generated_tokens == _reference(fused, prompts[1], 6)
+
+
 def _cb_config(page_size=None, **kwargs):
     """A ContinuousBatchingConfig whose blocks hold ``page_size`` tokens (the field is `block_size` in 5.17)."""
     if page_size is not None:
