@@ -625,7 +625,8 @@ class EachEngine:
 # Whether the fused scheduler serves generate_batch on a GPU. It has run on the CPU emulation only (every kernel it
 # launches is the decode step's, validated on the H200, but its row views, key moves and captured row buckets have
 # not run there): until its CUDA tests (tests/model/test_batch.py, which set this) pass on a GPU, a GPU model serves
-# generate_batch through generate() per request, said once, rather than risk a wrong answer.
+# generate_batch through generate() per request, said once, rather than risk a wrong answer. Switching it on is this
+# line alone, once `python -m pytest -m cuda -q tests/model/test_batch.py` passes on the GPU.
 FUSED_ON_GPU = False
 
 
