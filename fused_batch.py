@@ -11,7 +11,9 @@ The scheduler (:class:`BatchEngine`) over the rows of a :class:`BatchState` (``f
 
 1. admit waiting requests into free rows: each prompt runs the batch-1 fused prefill (replayed from its prompt-length
    bucket's graph), its first token is chosen from the prompt's logits, and its state is copied into the next free
-   row so that its keys end at the shared slot (the live span moved right first when the prompt is longer);
+   row so that its keys end at the shared slot (the live span moved right first when the prompt is longer); with
+   ``prefill_chunk``, at most that many prompt tokens run between two steps, and a longer prompt runs a chunk per
+   step over a stock cache (:meth:`BatchEngine._chunk`) before it joins the same way;
 2. one decode step for rows 0..n-1 (rows stay packed: a request that leaves hands its row to the last one), at the
    smallest row bucket >= n, replayed from that bucket's CUDA graph; first, the live span moves left when the slot has
    reached the end of the cache or the dead prefix has grown to half of what the step reads;
