@@ -167,6 +167,33 @@ def test_chunked_prefill_samples_the_same_tokens():
         fused.generate_batch(prompts, generation_config=config, max_new_tokens=2, prefill_chunk=0)
 
 
+@cpu_emulated
+def test_a_request_cancelled_while_its_prompt_is_chunked_ends_alone():
+    """Cancelled between two chunks of its prompt, a request ends failed with no token; the prompt behind it and the
+    running request go on with batch-1 tokens."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    prompts = _prompts((9, 150, 12), seed=10)
+    config = batch_mod.complete_generation_config(fused, _greedy())
+    cb = ContinuousBatchingConfig(max_requests_per_batch=2)
+    with torch.inference_mode(), fused._text_model().runner.lock:
+        engine = batch_mod.build_engine(fused, config, cb, need=200, count=3, longest_prompt=150, prefill_chunk=32)
+        requests = batch_mod.make_requests(fused, prompts, config, cb, [10, 10, 6], False)
+        for req in requests:
+            engine.add(req)
+        engine.step()  # request 0 whole (9 tokens), request 1's first chunk (the 23 left of the 32)
+        assert engine.prefilling is not None and engine.prefilling.request is requests[1]
+        engine.step()
+        engine.cancel("req_1")
+        assert engine.prefilling is None
+        while engine.busy:
+            engine.step()
+    assert requests[1].status == RequestStatus.FAILED and requests[1].error == "cancelled"
+    assert requests[1].tokens == []
+    for i in (0, 2):
+        assert requests[i].status == RequestStatus.FINISHED
+        assert requests[i].tokens == _reference(fused, prompts[i], requests[i].max_new), i
+
+
 @pytest.mark.parametrize("delta", [-5, -2, 2, 5])
 @pytest.mark.parametrize("chunk", [1, 3, 64])
 def test_move_span_matches_a_copy(monkeypatch, delta, chunk):
