@@ -11,7 +11,9 @@ The scheduler (:class:`BatchEngine`) over the rows of a :class:`BatchState` (``f
 
 1. admit waiting requests into free rows: each prompt runs the batch-1 fused prefill (replayed from its prompt-length
    bucket's graph), its first token is chosen from the prompt's logits, and its state is copied into the next free
-   row so that its keys end at the shared slot (the live span moved right first when the prompt is longer);
+   row so that its keys end at the shared slot (the live span moved right first when the prompt is longer); with
+   ``prefill_chunk``, at most that many prompt tokens run between two steps, and a longer prompt runs a chunk per
+   step over a stock cache (:meth:`BatchEngine._chunk`) before it joins the same way;
 2. one decode step for rows 0..n-1 (rows stay packed: a request that leaves hands its row to the last one), at the
    smallest row bucket >= n, replayed from that bucket's CUDA graph; first, the live span moves left when the slot has
    reached the end of the cache or the dead prefix has grown to half of what the step reads;
@@ -28,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from transformers.cache_utils import DynamicCache
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -71,6 +74,11 @@ CACHE_ROUND = 256
 # The live span also moves left when its dead prefix (keys of requests that left, which every step still reads) is at
 # least this long and at least half of the keys the step reads.
 COMPACT_MIN = 256
+# Prompt tokens prefilled between two decode steps when the caller sets none (``prefill_chunk``); None: every prompt
+# is prefilled whole at admission, through the batch-1 fused prefill (replayed from a captured graph per length
+# bucket), holding up the running requests for its length. Chunks run the eager forward over a stock cache: which
+# default serves throughput and latency best on the GPU is not measured yet.
+PREFILL_CHUNK = None
 # Fraction of the free GPU memory the buffers may take when the caller sets no budget (transformers' own default is
 # 0.8-0.9 of the free memory for its paged cache; the step's and the prefill's activations need the rest).
 DEFAULT_MEMORY_FRACTION = 0.8
@@ -133,6 +141,24 @@ class Request:
         )
 
 
+@dataclass(eq=False)
+class Chunked:
+    """A prompt prefilled a chunk per step: its request, the stock cache its chunks continue, its tokens run."""
+
+    request: Request
+    cache: DynamicCache
+    done: int = 0
+
+
+def device_tokens(tokens: list[int], device: torch.device) -> torch.Tensor:
+    """``tokens`` as an int64 tensor on ``device``, without waiting for the GPU: staged through pinned memory and
+    copied on the stream (``torch.tensor(..., device="cuda")`` waits for everything queued before it)."""
+    host = torch.tensor(tokens, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def make_generator(device: torch.device, seed: int) -> torch.Generator:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
@@ -153,7 +179,7 @@ class TokenRule:
         self.sample = bool(generation_config.do_sample)
         self.logprobs = logprobs
         # which processors run does not depend on the prompt (only their arguments do): one prompt tells
-        procs = logits_processors(model, generation_config, torch.tensor([prompt], dtype=torch.long, device=device))
+        procs = logits_processors(model, generation_config, device_tokens(prompt, device)[None])
         self.per_request = not all(isinstance(p, _SCORE_ONLY) for p in procs)  # some read the sequence
         self.shared = procs if len(procs) and not self.per_request else None  # or one list serves every row
 
@@ -187,36 +213,67 @@ class TokenRule:
         return tokens, logprobs
 
 
+class _HostSlot:
+    """Pinned host memory for one entry's tokens [rows] int64 and logprobs [rows] float32, and the event recorded
+    after the copies into it: reused entry after entry, so a step allocates nothing."""
+
+    def __init__(self, rows: int):
+        self.tokens = torch.empty(rows, dtype=torch.long, pin_memory=True)
+        self.logprobs = torch.empty(rows, dtype=torch.float32, pin_memory=True)
+        self.event = torch.cuda.Event()
+
+
 class Readback:
     """The chosen tokens on their way to the host: each entry (tokens [k], logprobs [k] or None, the k requests of its
-    rows) is copied to pinned memory without blocking, with an event on CUDA; :meth:`ready` hands back the entries
-    older than the last ``lag`` ones, waiting on each one's event (a step the GPU has finished, or is finishing)."""
+    rows) is copied without blocking into a pinned :class:`_HostSlot`, with an event; :meth:`ready` hands back the
+    entries older than the last ``lag`` ones, waiting on each one's event (a step the GPU has finished, or is
+    finishing). A slot goes back to the free list only once its event has been waited on and its values read, so no
+    copy overwrites values not read yet; the list grows to the most entries ever in flight (``lag`` + 1 steps plus
+    the first tokens of the prompts admitted between two reads) and is reused from then on. On CPU the entries are
+    the tensors themselves."""
 
-    def __init__(self):
+    def __init__(self, rows: int = 1):
+        self.rows = rows  # the most tokens an entry holds (the batch state's rows)
         self.queue: deque = deque()
+        self.free: list[_HostSlot] = []
+        self.allocated = 0  # slots made so far (for the tests: constant once the steps repeat)
 
     def __len__(self) -> int:
         return len(self.queue)
 
+    def _slot(self) -> _HostSlot:
+        if self.free:
+            return self.free.pop()
+        self.allocated += 1
+        return _HostSlot(self.rows)
+
     def push(self, tokens: torch.Tensor, logprobs: torch.Tensor | None, requests: list) -> None:
-        if tokens.is_cuda:
-            out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if t is not None else None
-                   for t in (tokens, logprobs)]
-            for host, t in zip(out, (tokens, logprobs)):
-                if t is not None:
-                    host.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(tokens.device))
-            self.queue.append((out[0], out[1], event, requests))
-        else:
+        if not tokens.is_cuda:
             self.queue.append((tokens, logprobs, None, requests))
+            return
+        k = tokens.shape[0]
+        slot = self._slot()
+        slot.tokens[:k].copy_(tokens, non_blocking=True)
+        if logprobs is not None:
+            slot.logprobs[:k].copy_(logprobs, non_blocking=True)
+        slot.event.record(torch.cuda.current_stream(tokens.device))
+        self.queue.append((slot, logprobs is not None, k, requests))
 
     def ready(self, lag: int):
         while len(self.queue) > lag:
-            tokens, logprobs, event, requests = self.queue.popleft()
-            if event is not None:
-                event.synchronize()
-            yield tokens.tolist(), (logprobs.tolist() if logprobs is not None else None), requests
+            first, second, k, requests = self.queue.popleft()
+            if k is None:  # CPU: the tensors themselves
+                yield first.tolist(), (second.tolist() if second is not None else None), requests
+                continue
+            first.event.synchronize()
+            tokens = first.tokens[:k].tolist()
+            logprobs = first.logprobs[:k].tolist() if second else None
+            self.free.append(first)  # read: the next entry may be copied into it
+            yield tokens, logprobs, requests
+
+    def clear(self) -> None:
+        """Drop the entries not read (their slots are not reused: a copy into one may still be running)."""
+        self.queue.clear()
 
 
 class BatchEngine:
@@ -225,17 +282,19 @@ class BatchEngine:
     (their ``output()`` is final); ``busy`` while anything is queued, decoding or unread."""
 
     def __init__(self, model, text_model, buffers, rule: TokenRule, max_prefill_tokens: int | None = None,
-                 stream: bool = False):
+                 stream: bool = False, prefill_chunk: int | None = None):
         self.model, self.text_model, self.buffers, self.rule = model, text_model, buffers, rule
         self.plan = text_model.plan
         self.runner = text_model.runner
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_chunk = prefill_chunk  # prompt tokens prefilled between two decode steps (None: no limit)
+        self.prefilling: Chunked | None = None  # the prompt being prefilled a chunk per step
         self.layer_types = text_model.config.layer_types[: text_model.config.num_hidden_layers]
         self.head = graph_head(model, text_model, buffers.state)
         self.waiting: deque = deque()
         self.live: list[Request] = []  # row i's request, rows 0..n-1
         self.slot = 0  # the shared slot, as the host keeps it (the device's moves with each step)
-        self.readback = Readback()
+        self.readback = Readback(buffers.rows)
         self.finished: list[Request] = []
         self.stream = stream
         self.updated: list[Request] = []  # with ``stream``: requests given tokens since it was last emptied
@@ -244,7 +303,7 @@ class BatchEngine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.live or len(self.readback))
+        return bool(self.waiting or self.live or self.prefilling or len(self.readback))
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -253,16 +312,19 @@ class BatchEngine:
         self._admit()
         if self.live:
             self._decode()
-        self._read(READ_LAG if self.live or self.waiting else 0)
+        self._read(READ_LAG if self.live or self.waiting or self.prefilling else 0)
 
     def cancel(self, request_id: str) -> None:
         """End request ``request_id`` now, wherever it is (waiting, decoding, or its tokens on their way), as failed
         with the error ``"cancelled"`` and the tokens read so far; its row goes to the next request."""
         pending = (r for entry in self.readback.queue for r in entry[3])
-        for req in [*self.waiting, *self.live, *pending]:
+        prefilling = [self.prefilling.request] if self.prefilling else []
+        for req in [*self.waiting, *prefilling, *self.live, *pending]:
             if req.request_id == request_id and not req.done:
                 if req in self.waiting:
                     self.waiting.remove(req)
+                if req in prefilling:
+                    self.prefilling = None
                 if req.row is not None:
                     self._release(req)
                 req.end(RequestStatus.FAILED, "cancelled")
@@ -271,27 +333,47 @@ class BatchEngine:
 
     def fail_all(self, error: str) -> None:
         """End every request not finished yet with ``error`` (the finished ones keep their outputs)."""
-        for req in [*self.waiting, *self.live, *(r for entry in self.readback.queue for r in entry[3])]:
+        prefilling = [self.prefilling.request] if self.prefilling else []
+        for req in [*self.waiting, *prefilling, *self.live, *(r for entry in self.readback.queue for r in entry[3])]:
             if not req.done:
                 req.end(RequestStatus.FAILED, error)
                 self.finished.append(req)
         self.waiting.clear()
+        self.prefilling = None
         self.live.clear()
-        self.readback.queue.clear()
+        self.readback.clear()
 
     # -- admission ---------------------------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        taken = 0
+        """Prefill prompts into free rows, at most ``prefill_chunk`` prompt tokens (when set) and, past the first
+        prompt, ``max_prefill_tokens`` between two steps. A prompt longer than ``prefill_chunk`` is prefilled a chunk
+        per step (:meth:`_chunk`) while the running requests decode; the requests behind it wait for it (first come,
+        first served)."""
+        budget, taken = self.prefill_chunk, 0
+        if self.prefilling is not None:
+            taken = self._chunk(budget)
+            if self.prefilling is not None:
+                return
         while self.waiting and len(self.live) < self.buffers.rows:
             req = self.waiting[0]
-            if taken and self.max_prefill_tokens is not None and taken + len(req.prompt) > self.max_prefill_tokens:
+            P = len(req.prompt)
+            if taken and self.max_prefill_tokens is not None and taken + P > self.max_prefill_tokens:
                 break  # the rest joins at the next step: the running requests are not held up by more prompts
+            chunked = budget is not None and P > budget
+            if budget is not None and (taken >= budget or (not chunked and taken + P > budget)):
+                break  # this step's prompt tokens are spent: it starts at the next one
             self.waiting.popleft()
-            taken += len(req.prompt)
             try:
-                self._start(req)
+                if chunked:
+                    taken += self._start_chunked(req, budget - taken)
+                    if self.prefilling is not None:
+                        return
+                else:
+                    taken += P
+                    self._start(req)
             except Exception as err:  # it is in no queue now: end it here, then the caller fails the rest
+                self.prefilling = None
                 if not req.done:
                     self._fail(req, f"{type(err).__name__}: {err}")
                 raise
@@ -300,24 +382,74 @@ class BatchEngine:
         req.end(RequestStatus.FAILED, error)
         self.finished.append(req)
 
-    def _start(self, req: Request) -> None:
+    def _admissible(self, req: Request) -> bool:
+        """Whether ``req`` fits a row (else it fails alone, with an error naming the budget); marks it begun."""
         req.begin()
         P, L = len(req.prompt), self.buffers.max_len
         if req.max_new > 1 and P + req.max_new - 1 > L:
             self._fail(req, f"the request needs {P + req.max_new - 1} cache tokens ({P} prompt + {req.max_new} new "
                        f"- 1) and each row holds {L}: raise the budget (continuous_batching_config.num_blocks x "
                        "page_size) or lower max_requests_per_batch or max_new_tokens")
+            return False
+        req.prompt_ids = device_tokens(req.prompt, self.buffers.state.device)
+        return True
+
+    def _out_of_memory(self, req: Request, err: Exception) -> None:
+        """``req``'s prefill ran out of memory: it fails alone, the others go on."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self._fail(req, f"out of memory prefilling its {len(req.prompt)}-token prompt ({str(err).splitlines()[0]})")
+
+    def _start(self, req: Request) -> None:
+        """Prefill ``req``'s whole prompt through the batch-1 fused prefill and give it a row."""
+        if not self._admissible(req):
             return
-        req.prompt_ids = torch.tensor(req.prompt, dtype=torch.long, device=self.buffers.state.device)
+        P = len(req.prompt)
         try:
             if P > self.buffers.prefill_len:
                 self.buffers.grow_prefill(self.text_model, self.plan, P)
             pad, logits = self._prefill(req)
         except torch.OutOfMemoryError as err:  # one long prompt: it fails, the others go on
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            self._fail(req, f"out of memory prefilling its {P}-token prompt ({str(err).splitlines()[0]})")
+            self._out_of_memory(req, err)
             return
+        self._join(req, logits, lambda row, slot, first: self.buffers.load_prompt(row, slot, pad, P, req.prompt_ids,
+                                                                                   first))
+
+    def _start_chunked(self, req: Request, tokens: int) -> int:
+        """Begin prefilling ``req``'s prompt in chunks, the first of ``tokens`` tokens; returns the tokens run."""
+        if not self._admissible(req):
+            return 0
+        self.prefilling = Chunked(req, DynamicCache(config=self.text_model.config))
+        return self._chunk(tokens)
+
+    def _chunk(self, tokens: int) -> int:
+        """The next ``tokens`` tokens of the prompt being prefilled in chunks: the fused layers' forward continuing its
+        stock cache (each DeltaNet layer starts from the cached conv inputs and recurrent state, each attention layer
+        attends over the cached keys, as stock's chunked prefill). After the last chunk the request joins the rows
+        as a whole prompt does. Returns the tokens run."""
+        job = self.prefilling
+        req, P = job.request, len(job.request.prompt)
+        end = min(P, job.done + tokens)
+        try:
+            out = self.text_model(input_ids=req.prompt_ids[None, job.done : end], past_key_values=job.cache,
+                                  use_cache=True)
+        except torch.OutOfMemoryError as err:
+            self.prefilling = None
+            self._out_of_memory(req, err)
+            return end - job.done
+        ran, job.done = end - job.done, end
+        if end == P:
+            self.prefilling = None
+            logits = self.model.lm_head(out.last_hidden_state[:, -1:])[:, -1]
+            self._join(req, logits, lambda row, slot, first: self.buffers.load_stock_cache(
+                row, slot, job.cache, P, req.prompt_ids, first))
+        return ran
+
+    def _join(self, req: Request, logits: torch.Tensor, load) -> None:
+        """``req``'s first token from its prompt's ``logits`` [1, vocab]; then, unless that was its only one, a row:
+        the live span moved right first when its prompt is longer than the slot, and ``load(row, slot, first)``
+        copying its prefilled state into the row so that its keys end at the slot."""
+        P = len(req.prompt)
         self.rule.prepare(req)
         tokens, logprobs = self.rule.choose(logits, [req], lambda i: req.prompt_ids[None])
         req.status = RequestStatus.DECODING
@@ -335,7 +467,7 @@ class BatchEngine:
                 r.start += P - self.slot
             self.slot = P
         req.row, req.start = len(self.live), self.slot - P
-        self.buffers.load_prompt(req.row, self.slot, pad, P, req.prompt_ids, tokens)
+        load(req.row, self.slot, tokens)
         self.live.append(req)
 
     def _prefill(self, req: Request) -> tuple[int, torch.Tensor]:
@@ -495,7 +627,8 @@ class EachEngine:
 # Whether the fused scheduler serves generate_batch on a GPU. It has run on the CPU emulation only (every kernel it
 # launches is the decode step's, validated on the H200, but its row views, key moves and captured row buckets have
 # not run there): until its CUDA tests (tests/model/test_batch.py, which set this) pass on a GPU, a GPU model serves
-# generate_batch through generate() per request, said once, rather than risk a wrong answer.
+# generate_batch through generate() per request, said once, rather than risk a wrong answer. Switching it on is this
+# line alone, once `python -m pytest -m cuda -q tests/model/test_batch.py` passes on the GPU.
 FUSED_ON_GPU = False
 
 
@@ -638,12 +771,13 @@ def _allocate(text_model, rows: int, max_len: int, prefill_len: int):
 
 
 def build_engine(model, generation_config, cb_config, need: int, count: int, longest_prompt: int,
-                 stream: bool = False, given_config=None):
+                 stream: bool = False, given_config=None, prefill_chunk: int | None = None):
     """The engine for requests of at most ``need`` cache tokens (``count`` of them, the longest prompt
     ``longest_prompt`` tokens), under ``generation_config`` (completed, as ``complete_generation_config`` returns
     it, from ``given_config``, the caller's): a :class:`BatchEngine` on the fused path, else an :class:`EachEngine`
-    (said once, with the reason). Call it under ``torch.inference_mode()``; the fused engine's calls hold the runner's
-    lock."""
+    (said once, with the reason). ``prefill_chunk``: prompt tokens prefilled between two decode steps, longer prompts
+    in chunks (None: ``PREFILL_CHUNK``). Call it under ``torch.inference_mode()``; the fused engine's calls hold the
+    runner's lock."""
     logprobs = bool(getattr(cb_config, "return_logprobs", False))
     reason = batch_blocker(model, generation_config)
     if reason is not None:
@@ -658,10 +792,16 @@ def build_engine(model, generation_config, cb_config, need: int, count: int, lon
     text_model = model._text_model()
     device = text_model.plan.device
     prepare_special_tokens(model, generation_config, device)
+    chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive number of tokens, got {chunk}.")
+    if chunk is not None:  # longer prompts never go through the batch-1 prefill state
+        longest_prompt = min(longest_prompt, chunk)
     rows, max_len, prefill_len = size_buffers(text_model, need, count, longest_prompt, cb_config)
     buffers = _allocate(text_model, rows, max_len, prefill_len)
     rule = TokenRule(model, generation_config, device, logprobs, [0])
-    return BatchEngine(model, text_model, buffers, rule, getattr(cb_config, "max_batch_tokens", None), stream)
+    return BatchEngine(model, text_model, buffers, rule, getattr(cb_config, "max_batch_tokens", None), stream,
+                       chunk)
 
 
 def generate_batch(model, inputs, generation_config=None, continuous_batching_config=None,
@@ -673,7 +813,9 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
     ``generation_config`` (else the model's) is completed as ``generate`` completes it. On the fused path (greedy or
     sampling with ``fused_kernels`` on, on a GPU or the tests' CPU emulation) the requests share the decode step as
     described above; otherwise (said in one log line, with the reason) each runs through ``generate`` at batch 1,
-    which is correct and slow. ``max_new_tokens`` (keyword) may be a list, one per input.
+    which is correct and slow. ``max_new_tokens`` (keyword) may be a list, one per input; ``prefill_chunk``
+    (keyword, an extension of this repo) the prompt tokens prefilled between two decode steps, a longer prompt
+    prefilled in chunks of it while the running requests decode (default ``PREFILL_CHUNK``).
     ``continuous_batching_config``: ``max_requests_per_batch`` (rows), ``num_blocks`` x ``page_size`` (the cache
     token budget), ``max_memory_percent``, ``max_batch_tokens`` (prompt tokens admitted between two steps),
     ``return_logprobs`` and ``seed`` are read; ``persistent_manager`` and ``warmup`` change nothing (the buffers and
@@ -686,6 +828,7 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
                  f"with transformers' fields because {BATCH_OUTPUT_REASON}.")
     config = complete_generation_config(model, generation_config)
     max_new_tokens = kwargs.pop("max_new_tokens", None)
+    prefill_chunk = kwargs.pop("prefill_chunk", None)
     if kwargs:
         announce(f"batch/kwargs/{sorted(kwargs)}", "Qwen3.5 fused kernels: generate_batch ignores the keyword "
                  f"arguments {sorted(kwargs)}, as transformers' generate_batch does (set them in the generation "
@@ -700,7 +843,8 @@ def generate_batch(model, inputs, generation_config=None, continuous_batching_co
     need = max(len(r.prompt) + r.max_new - 1 for r in decoding)
     with torch.inference_mode(), model._text_model().runner.lock:
         engine = build_engine(model, config, continuous_batching_config, need, len(decoding),
-                              max(len(r.prompt) for r in requests), given_config=generation_config)
+                              max(len(r.prompt) for r in requests), given_config=generation_config,
+                              prefill_chunk=prefill_chunk)
         for req in requests:
             engine.add(req)
         try:

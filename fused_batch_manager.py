@@ -42,8 +42,10 @@ IDLE_WAIT_S = 0.05
 class FusedBatchManager:
     """Continuous batching with streaming for the fused classes (see the module docstring)."""
 
-    def __init__(self, model, generation_config=None, continuous_batching_config=None):
+    def __init__(self, model, generation_config=None, continuous_batching_config=None,
+                 prefill_chunk: int | None = None):
         self.model = model
+        self.prefill_chunk = prefill_chunk  # as generate_batch's: longer prompts prefilled in chunks between steps
         self._given_config = generation_config
         self.generation_config = complete_generation_config(model, generation_config)
         self.continuous_batching_config = continuous_batching_config
@@ -179,7 +181,7 @@ class FusedBatchManager:
         if blocks and rows:
             need = max(1, blocks * block_tokens(cb) // rows // 2)
         return build_engine(self.model, self.generation_config, cb, need, rows or 1 << 30, 1, stream=True,
-                            given_config=self._given_config)
+                            given_config=self._given_config, prefill_chunk=self.prefill_chunk)
 
     def _deliver(self, engine) -> None:
         done = set()
@@ -241,6 +243,7 @@ class FusedBatchManager:
 
 
 def init_continuous_batching(model, generation_config=None, continuous_batching_config=None, **kwargs):
-    """The manager ``model.init_continuous_batching`` returns; transformers' other keywords (``workload_hints``)
-    change nothing: the sizes come from the continuous-batching config (module docstring)."""
-    return FusedBatchManager(model, generation_config, continuous_batching_config)
+    """The manager ``model.init_continuous_batching`` returns; ``prefill_chunk`` (an extension of this repo) as
+    ``generate_batch``'s; transformers' other keywords (``workload_hints``) change nothing: the sizes come from the
+    continuous-batching config (module docstring)."""
+    return FusedBatchManager(model, generation_config, continuous_batching_config, kwargs.get("prefill_chunk"))

@@ -21,6 +21,7 @@ its row is overwritten when a request takes it.
 
 import torch
 
+from .fused_compat import read_attention_layer, read_linear_layer
 from .fused_decode import DecodeState, decode_len_bucket
 from .fused_graphs import forward_len_bucket
 from .fused_plan import FusedPlan
@@ -149,8 +150,30 @@ class BatchState:
         for kv, src in ((st.keys, pre.keys), (st.values, pre.values)):
             for i, t in kv.items():
                 t[row, :, lo:slot].copy_(src[i][0, :, pad : pad + length])
+        self._finish_row(row, slot, length, prompt, first)
+
+    def load_stock_cache(self, row: int, slot: int, cache, length: int, prompt: torch.Tensor,
+                         first: torch.Tensor) -> None:
+        """Row ``row`` <- a request prefilled in chunks into the stock ``cache`` (a ``DynamicCache`` holding its
+        ``length`` prompt tokens, none padding), as :meth:`load_prompt` loads one from ``prefill``."""
+        st = self.state
+        for i, conv in st.conv.items():
+            conv_state, recurrent = read_linear_layer(cache, i)
+            conv[row].copy_(conv_state[0])
+            st.recurrent[i][row].copy_(recurrent[0])
+        lo = slot - length
+        for i, keys in st.keys.items():
+            k, v = read_attention_layer(cache, i)
+            keys[row, :, lo:slot].copy_(k[0])
+            st.values[i][row, :, lo:slot].copy_(v[0])
+        self._finish_row(row, slot, length, prompt, first)
+
+    def _finish_row(self, row: int, slot: int, length: int, prompt: torch.Tensor, first: torch.Tensor) -> None:
+        """The rest of a row a prompt was loaded into: ``key_valid`` True on [slot - length, slot) only, positions
+        ``length``, the first token, the history."""
+        st = self.state
         st.key_valid[row].zero_()
-        st.key_valid[row, lo:slot] = True
+        st.key_valid[row, slot - length : slot] = True
         st.positions[:, row].fill_(length)
         self.tokens[row : row + 1].copy_(first)
         if self.history is not None:

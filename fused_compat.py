@@ -180,6 +180,22 @@ def fill_attention_layer(cache, layer_idx: int, keys: torch.Tensor, values: torc
     cache.update(keys, values, layer_idx, **cache_update_kwargs({}))
 
 
+def read_linear_layer(cache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stock cache's DeltaNet state for layer ``layer_idx`` after a forward: conv [B, C, K] (the last K pre-conv
+    inputs) and recurrent [B, HV, Dk, Dv] (the cache's own tensors, not copies)."""
+    getter = getattr(cache, "get_conv_state", None)
+    if getter is not None:  # 5.2x
+        return getter(layer_idx), cache.get_recurrent_state(layer_idx)
+    layer = cache.layers[layer_idx]  # 5.17: the layer's lists
+    return layer.conv_states[0], layer.recurrent_states[0]
+
+
+def read_attention_layer(cache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stock cache's keys / values [B, KV, T, D] for attention layer ``layer_idx`` (its own tensors)."""
+    layer = cache.layers[layer_idx]
+    return layer.keys, layer.values
+
+
 def _probe_config():
     from transformers import Qwen3_5TextConfig
 

@@ -9,8 +9,14 @@ independent of the requests beside it; EOS and ``max_new_tokens`` stop each requ
 or out of memory fails alone, and an error midway keeps the finished outputs; the result has transformers' type;
 the streaming manager hands out each token as it comes.
 
-GPU test (``@pytest.mark.cuda``; ``python -m pytest -m cuda -q tests/model/test_batch.py``): the same greedy equality
-in fp32 through the captured step at each row bucket, and bf16 reproducibility.
+Chunked prefill (``prefill_chunk``): prompts longer than the chunk prefilled a chunk per step between decode steps give
+the same tokens as whole prompts (dense and MoE, chunks at multiples of 64 and odd ones).
+
+GPU tests (``@pytest.mark.cuda``; ``python -m pytest -m cuda -q tests/model/test_batch.py``), the ones that justify
+``fused_batch.FUSED_ON_GPU``: the same greedy equality in fp32 through the captured step at each row bucket, with and
+without chunked prefill; sampling reproducible per request seed; the memory budget queueing and failing only the
+requests over it; no synchronizing CUDA call inside a scheduler step once captured, and the read-back's pinned
+buffers reused; bf16 reruns.
 """
 
 import logging
@@ -101,6 +107,91 @@ def test_the_live_span_moves_left_when_the_cache_fills(monkeypatch, shifts):
     assert any(d < 0 for d in shifts)
     for (rid, got), prompt, n in zip(out.items(), prompts, new):
         assert got.generated_tokens == _reference(fused, prompt, n), rid
+
+
+CHUNK_LENGTHS = (5, 1, 17, 130, 9, 70, 3, 200)  # 130, 200: longer than every chunk below, prefilled in pieces
+CHUNK_NEW = (6, 3, 12, 9, 1, 8, 20, 5)
+
+
+@pytest.mark.parametrize("chunk", [64, 128, 7, 33, 100])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@cpu_emulated
+def test_chunked_prefill_gives_the_same_tokens(kind, chunk, monkeypatch):
+    """Prompts longer than ``prefill_chunk`` are prefilled a chunk per step while the running requests decode (a
+    decode step between two chunks of one prompt); every request's tokens are those of the unchunked call and of
+    batch-1 generate. Chunk sizes at multiples of fla's 64-token chunk and odd ones."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD) if kind == "dense" else stock_and_fused_moe_lm(seed=0, **SPREAD)
+    prompts = _prompts(CHUNK_LENGTHS, seed=8)
+    events = []
+    chunk_step, decode = batch_mod.BatchEngine._chunk, batch_mod.BatchEngine._decode
+
+    def chunk_logged(self, tokens):
+        events.append(("chunk", self.prefilling.request.request_id))
+        return chunk_step(self, tokens)
+
+    def decode_logged(self):
+        events.append(("decode", None))
+        return decode(self)
+
+    cb = ContinuousBatchingConfig(max_requests_per_batch=3)
+    whole = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(CHUNK_NEW),
+                                 continuous_batching_config=cb)
+    assert not events
+    monkeypatch.setattr(batch_mod.BatchEngine, "_chunk", chunk_logged)
+    monkeypatch.setattr(batch_mod.BatchEngine, "_decode", decode_logged)
+    out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(CHUNK_NEW),
+                               continuous_batching_config=cb, prefill_chunk=chunk)
+    for (rid, got), prompt, new in zip(out.items(), prompts, CHUNK_NEW):
+        assert got.status == RequestStatus.FINISHED and got.error is None, (rid, got.error)
+        assert got.generated_tokens == whole[rid].generated_tokens == _reference(fused, prompt, new), rid
+    chunked = {rid for kind_, rid in events if kind_ == "chunk"}
+    assert chunked == {f"req_{i}" for i, n in enumerate(CHUNK_LENGTHS) if n > chunk}
+    for rid in chunked:  # the running requests decode between two chunks of one prompt
+        at = [i for i, event in enumerate(events) if event == ("chunk", rid)]
+        assert len(at) > 1 and ("decode", None) in events[at[0] : at[-1]], rid
+
+
+@cpu_emulated
+def test_chunked_prefill_samples_the_same_tokens():
+    """Sampling draws the same tokens with and without chunks (the same per-request seeds); ``prefill_chunk`` must be
+    positive."""
+    _, fused = stock_and_fused_lm(seed=2, **SPREAD)
+    prompts = _prompts((90, 4, 150, 11), seed=9)
+    config = GenerationConfig(do_sample=True, temperature=0.8, top_k=40, pad_token_id=0, eos_token_id=255)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=2, seed=5)
+    runs = [fused.generate_batch(prompts, generation_config=config, max_new_tokens=8, continuous_batching_config=cb,
+                                 prefill_chunk=chunk) for chunk in (None, 64, 50)]
+    tokens = [[o.generated_tokens for o in run.values()] for run in runs]
+    assert tokens[0] == tokens[1] == tokens[2]
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        fused.generate_batch(prompts, generation_config=config, max_new_tokens=2, prefill_chunk=0)
+
+
+@cpu_emulated
+def test_a_request_cancelled_while_its_prompt_is_chunked_ends_alone():
+    """Cancelled between two chunks of its prompt, a request ends failed with no token; the prompt behind it and the
+    running request go on with batch-1 tokens."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    prompts = _prompts((9, 150, 12), seed=10)
+    config = batch_mod.complete_generation_config(fused, _greedy())
+    cb = ContinuousBatchingConfig(max_requests_per_batch=2)
+    with torch.inference_mode(), fused._text_model().runner.lock:
+        engine = batch_mod.build_engine(fused, config, cb, need=200, count=3, longest_prompt=150, prefill_chunk=32)
+        requests = batch_mod.make_requests(fused, prompts, config, cb, [10, 10, 6], False)
+        for req in requests:
+            engine.add(req)
+        engine.step()  # request 0 whole (9 tokens), request 1's first chunk (the 23 left of the 32)
+        assert engine.prefilling is not None and engine.prefilling.request is requests[1]
+        engine.step()
+        engine.cancel("req_1")
+        assert engine.prefilling is None
+        while engine.busy:
+            engine.step()
+    assert requests[1].status == RequestStatus.FAILED and requests[1].error == "cancelled"
+    assert requests[1].tokens == []
+    for i in (0, 2):
+        assert requests[i].status == RequestStatus.FINISHED
+        assert requests[i].tokens == _reference(fused, prompts[i], requests[i].max_new), i
 
 
 @pytest.mark.parametrize("delta", [-5, -2, 2, 5])
@@ -298,6 +389,40 @@ def test_the_manager_streams_tokens_and_cancels():
     assert not manager.is_running()
 
 
+@cpu_emulated
+def test_the_manager_prefills_long_prompts_in_chunks(monkeypatch):
+    """``init_continuous_batching(prefill_chunk=...)``: a long prompt added while another request streams is
+    prefilled in chunks between its steps; both get batch-1 tokens."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    prompts = _prompts((9, 150), seed=10)
+    chunks = []
+    chunk_step = batch_mod.BatchEngine._chunk
+
+    def counting(self, tokens):
+        chunks.append(tokens)
+        return chunk_step(self, tokens)
+
+    monkeypatch.setattr(batch_mod.BatchEngine, "_chunk", counting)
+    manager = fused.init_continuous_batching(generation_config=_greedy(), prefill_chunk=32,
+                                             continuous_batching_config=ContinuousBatchingConfig(
+                                                 max_requests_per_batch=2))
+    manager.start()
+    try:
+        short = manager.add_request(prompts[0], max_new_tokens=20, streaming=True)
+        long = manager.add_request(prompts[1], max_new_tokens=6)
+        results = {}
+        while len(results) < 2:
+            result = manager.get_result(timeout=30)
+            assert result is not None, results
+            if result.is_finished():
+                results[result.request_id] = result
+    finally:
+        manager.stop(block=True)
+    assert len(chunks) == 5  # 150 tokens in chunks of 32
+    assert results[short].generated_tokens == _reference(fused, prompts[0], 20)
+    assert results[long].generated_tokens == _reference(fused, prompts[1], 6)
+
+
 def _cb_config(page_size=None, **kwargs):
     """A ContinuousBatchingConfig whose blocks hold ``page_size`` tokens (the field is `block_size` in 5.17)."""
     if page_size is not None:
@@ -341,33 +466,151 @@ def test_greedy_matches_batch_1_generate_cuda(kind):
     assert 64 in info["prompt_buckets_captured"]  # most prompts share the 64-token bucket: replayed from its second
 
 
+def _cuda_reference(model, prompt, new, **kw):
+    """The tokens a batch-1 fused ``generate`` on the GPU gives ``prompt``."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=new,
+                             **{"do_sample": False, "pad_token_id": 0, "eos_token_id": 255, **kw})
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("chunk", [64, 33])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.cuda
 @pytest.mark.usefixtures("fused_on_gpu")
-def test_bf16_first_tokens_and_reruns_cuda():
-    """bf16: the first token of every request comes from the same batch-1 prefill as ``generate``'s (equal), and a
-    second call gives the same tokens (the same graphs, the same per-request seeds)."""
+def test_chunked_prefill_matches_batch_1_generate_cuda(kind, chunk):
+    """fp32: prompts longer than ``prefill_chunk`` prefilled in chunks between decode steps (the eager fused forward
+    over a stock cache) give every request the tokens of a batch-1 fused ``generate``, as the unchunked call does."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD) if kind == "dense" else stock_and_fused_moe_lm(seed=0, **SPREAD)
+    fused = fused.cuda()
+    prompts = _prompts(CHUNK_LENGTHS, seed=8)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=4)
+    out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(CHUNK_NEW),
+                               continuous_batching_config=cb, prefill_chunk=chunk)
+    for (rid, got), prompt, new in zip(out.items(), prompts, CHUNK_NEW):
+        assert got.status == RequestStatus.FINISHED, got.error
+        assert got.generated_tokens == _cuda_reference(fused, prompt, new), rid
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("fused_on_gpu")
+def test_sampling_is_reproducible_per_request_seed_cuda():
+    """fp32 on the GPU: each request draws from its own seeded generator, so the same call gives the same samples,
+    and so do other row counts (other row buckets and graphs) and other requests beside it; another seed differs."""
+    _, fused = stock_and_fused_lm(seed=2, **SPREAD)
+    fused = fused.cuda()
+    prompts = _prompts(LENGTHS[:5], seed=6)
+    others = _prompts((8, 2, 40), seed=7)
+    config = GenerationConfig(do_sample=True, temperature=0.8, top_k=40, top_p=0.95, pad_token_id=0, eos_token_id=255)
+
+    def run(inputs, rows, seed=11):
+        cb = ContinuousBatchingConfig(max_requests_per_batch=rows, seed=seed)
+        out = fused.generate_batch(inputs, generation_config=config, max_new_tokens=24, continuous_batching_config=cb)
+        assert all(o.status == RequestStatus.FINISHED for o in out.values())
+        return [o.generated_tokens for o in out.values()]
+
+    first = run(prompts, 2)
+    assert run(prompts, 2) == first  # again: replayed from the graphs captured by the first call
+    assert run(prompts, 5) == first
+    assert run([prompts[0], *others], 4)[0] == first[0]
+    assert run(prompts, 2, seed=12) != first
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("fused_on_gpu")
+def test_memory_budget_cuda(monkeypatch):
+    """A budget smaller than the requests queues them (fewer rows, said once) and fails only the requests longer than
+    a row, each with an error naming the budget, before anything of theirs runs; the others finish with batch-1
+    tokens. ``max_memory_percent`` near 0 leaves one row of 64 tokens; ``num_blocks`` x ``page_size`` caps rows x
+    cache."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    fused = fused.cuda()
+    prompts = _prompts((6, 40, 9, 20))
+    new = [5, 40, 7, 30]
+    for cb in (ContinuousBatchingConfig(max_memory_percent=1e-9),
+               _cb_config(max_requests_per_batch=2, num_blocks=2, page_size=64)):
+        out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=new,
+                                   continuous_batching_config=cb)
+        info = fused.describe()["decode"]["generate_batch"]
+        assert info["max_len"] == 64, info
+        assert out["req_1"].status == RequestStatus.FAILED and "needs 79 cache tokens" in out["req_1"].error
+        for i in (0, 2, 3):
+            assert out[f"req_{i}"].status == RequestStatus.FINISHED, out[f"req_{i}"].error
+            assert out[f"req_{i}"].generated_tokens == _cuda_reference(fused, prompts[i], new[i]), i
+    assert any(key.startswith("batch-budget/") for key in helpers.plan_mod.announced())
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("fused_on_gpu")
+def test_steps_do_not_wait_for_the_gpu_cuda(monkeypatch):
+    """Once the row buckets' and prompt buckets' graphs are captured (a first call), no scheduler step of a second
+    call makes a synchronizing CUDA call (``torch.cuda.set_sync_debug_mode("error")`` inside ``BatchEngine.step``: no
+    ``.item()``, no pageable or blocking transfer; the read-back waits on its events only, which the mode does not
+    count), and the token read-back reuses a few pinned host buffers rather than allocating per step."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    fused = fused.cuda()
+    prompts = _prompts((5, 1, 17, 9, 60, 3, 12, 33, 2))
+    new = [24, 3, 40, 1, 16, 64, 5, 30, 48]
+    readbacks = []
+    init = batch_mod.Readback.__init__
+
+    def recording(self, *args):
+        init(self, *args)
+        readbacks.append(self)
+
+    monkeypatch.setattr(batch_mod.Readback, "__init__", recording)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=4, seed=0)
+    first = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=new,
+                                 continuous_batching_config=cb)
+    step = batch_mod.BatchEngine.step
+
+    def strict_step(self):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step(self)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(batch_mod.BatchEngine, "step", strict_step)
+    again = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=new,
+                                 continuous_batching_config=cb)
+    assert [o.generated_tokens for o in again.values()] == [o.generated_tokens for o in first.values()]
+    assert all(o.error is None for o in again.values())
+    # in flight at once: the step read late, the step queued, and the first tokens of the prompts admitted between
+    # (at most the 4 rows, plus the one request of a single token, which takes none)
+    assert readbacks[-1].allocated <= 2 + 4 + 1, readbacks[-1].allocated
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+@pytest.mark.cuda
+@pytest.mark.usefixtures("fused_on_gpu")
+def test_bf16_first_tokens_and_reruns_cuda(chunk):
+    """bf16: the first token of every request comes from the same batch-1 prefill as ``generate``'s (equal; with
+    chunks only for the prompts not chunked, the others' prefill rounds in another order), and a second call gives the
+    same tokens (the same graphs, the same per-request seeds)."""
     _, fused = stock_and_fused_lm(seed=0, dtype=torch.bfloat16, **SPREAD)
     fused = fused.cuda()
-    prompts = _prompts((5, 17, 9, 70, 3, 12))
+    prompts = _prompts((5, 17, 9, 70, 3, 12, 150))
     cb = ContinuousBatchingConfig(max_requests_per_batch=4)
     runs = [fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=32,
-                                 continuous_batching_config=cb) for _ in range(2)]
+                                 continuous_batching_config=cb, prefill_chunk=chunk) for _ in range(2)]
     assert [o.generated_tokens for o in runs[0].values()] == [o.generated_tokens for o in runs[1].values()]
     for got, prompt in zip(runs[0].values(), prompts):
-        with torch.no_grad():
-            want = fused.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=1, do_sample=False,
-                                  pad_token_id=0, eos_token_id=255)
-        assert got.generated_tokens[0] == want[0, -1].item()
+        assert got.status == RequestStatus.FINISHED and len(got.generated_tokens) == 32, got.error
+        if chunk is None or len(prompt) <= chunk:
+            assert got.generated_tokens[0] == _cuda_reference(fused, prompt, 1)[0]
 
 
 def test_a_gpu_model_takes_the_scheduler_only_once_verified(monkeypatch):
-    """Until the CUDA tests have passed on a GPU, a GPU model serves generate_batch through generate (the reason is
-    the one its log line gives); the CPU emulation and a verified GPU take the scheduler."""
+    """With ``FUSED_ON_GPU`` off (until the CUDA tests have passed on a GPU), a GPU model serves generate_batch through
+    generate (the reason is the one its log line gives); the CPU emulation and a verified GPU take the scheduler.
+    Whichever value the module ships with: switching it on is that one line."""
     import types
 
     fused_batch = helpers.import_module("fused_batch")
     config = GenerationConfig(do_sample=False)
     model = types.SimpleNamespace(fused_plan=types.SimpleNamespace(decode_reason=None, device=torch.device("cuda")))
+    monkeypatch.setattr(fused_batch, "FUSED_ON_GPU", False)
     assert "not yet been verified on a GPU" in fused_batch.batch_blocker(model, config)
     monkeypatch.setattr(fused_batch, "FUSED_ON_GPU", True)
     assert fused_batch.batch_blocker(model, config) is None

@@ -184,6 +184,39 @@ def test_pipeline_text_generation_with_remote_code():
 
 # The README's CPU setup (requirements.txt: no flash-linear-attention) in a fresh process: the shipped model loaded
 # as stock (no remote code, no routing by this repo's code) and with remote code, each generating greedily.
+def test_benchmark_batch_runs_on_cpu(tmp_path):
+    """The generate_batch benchmark's plumbing at the tiny shape on CPU: stock and fused static batches and
+    generate_batch (here each request through generate: no GPU) over one seeded workload, stock on a subset."""
+    from scripts import benchmark_batch
+
+    results = benchmark_batch.main(["--device", "cpu", "--tiny", "--requests", "8", "--stock-requests", "5",
+                                    "--batch", "4", "--out", str(tmp_path)])
+    runs = results["runs"]
+    assert runs["(1) stock static, subset"]["requests"] == runs["(2) fused static, subset"]["requests"] == 5
+    assert runs["(2) fused static"]["requests"] == runs["(3) fused generate_batch"]["requests"] == 8
+    assert runs["(2) fused static"]["tokens"] == runs["(3) fused generate_batch"]["tokens"]  # EOS off: every count
+    assert results["batch_path"].startswith("generate per request") and not results["failed"]
+    md = (tmp_path / "batch.md").read_text()
+    assert "first 5 requests only (a subset)" in md and "| (3) / (1) stock static" in md
+    assert json.loads((tmp_path / "batch.json").read_text())["requests"] == 8
+
+
+def test_benchmark_batch_on_the_fused_scheduler_cpu(tmp_path, fused_on_cpu):
+    """The same at the tiny MoE shape through the fused scheduler (the CPU emulation), with chunked prefill: no
+    request fails, each generates its own count, latencies come from the scheduler's timestamps."""
+    from scripts import benchmark_batch
+
+    results = benchmark_batch.main(["--device", "cpu", "--tiny", "--model", "35b-a3b", "--requests", "6",
+                                    "--stock-requests", "3", "--batch", "4", "--rows", "3", "--prefill-chunk", "16",
+                                    "--out", str(tmp_path)])
+    assert results["model"] == "tiny-moe" and results["batch_path"] == "fused scheduler" and not results["failed"]
+    requests = benchmark_batch.workload(6, (4, 40), (2, 12), 256, seed=0)
+    assert requests == benchmark_batch.workload(6, (4, 40), (2, 12), 256, seed=0)  # seeded
+    assert all(4 <= len(p) <= 40 and 2 <= n <= 12 for p, n in requests)
+    run = results["runs"]["(3) fused generate_batch"]
+    assert run["tokens"] == sum(n for _, n in requests) and run["per_token_ms_p50"] > 0
+
+
 def test_benchmark_moe_model_runs_on_cpu(tmp_path):
     """The whole-model MoE benchmark's plumbing at the tiny shape: the variants switched on one model, decode and
     prefill rows, the experts the router picks (no floors without a GPU's measured ceilings)."""

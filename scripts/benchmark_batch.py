@@ -1,0 +1,322 @@
+"""Many requests at once (issue 46): stock ``generate`` and fused ``generate`` in padded static batches, against the
+fused ``generate_batch`` (continuous batching), on one seeded workload, in one process.
+
+    # the issue's workload at 4B (random weights at the real shape); stock on a subset of 64 requests; the fused
+    # scheduler switched on for the run (fused_batch.FUSED_ON_GPU, off until its CUDA tests have passed on a GPU)
+    python scripts/benchmark_batch.py --model 4b --requests 512 --stock-requests 64 --fused-on-gpu --out out/batch
+    # 9B, 35B-A3B
+    python scripts/benchmark_batch.py --model 9b --requests 512 --stock-requests 64 --fused-on-gpu
+    python scripts/benchmark_batch.py --model 35b-a3b --requests 512 --stock-requests 32 --fused-on-gpu
+    # CPU smoke run (what CI runs): tiny config, a few requests
+    python scripts/benchmark_batch.py --device cpu --tiny --requests 8
+
+The workload (``workload``): ``--requests`` prompts of random tokens, lengths uniform in ``--prompt-range`` (32-2048),
+each with its own number of new tokens, uniform in ``--new-range`` (16-512), all seeded by ``--seed``; EOS off, so
+every request generates exactly its count. Every request arrives at the start (an offline batch).
+
+The three runs, each over the requests in their order:
+
+1. stock ``generate`` (``fused_kernels`` off is not used: the stock class itself) in padded static batches of
+   ``--batch`` (32): left-padded prompts, each batch run to its longest request's count;
+2. the fused ``generate`` in the same static batches;
+3. the fused ``generate_batch``: every request joins a free row when one frees up and leaves at its own count.
+
+Stock on 512 requests at 4B takes long: it runs the first ``--stock-requests`` of them, and the fused static batches
+are also reported on that subset (the same batches), so the per-token and throughput ratios (1) / (2) compare the same
+work. Reported per run: output tokens/s (the requests' own counts, not padding, over the wall time), time to first
+token (TTFT: from the start of the run, all requests arriving then) and per-token latency (after the first token), p50
+and p99. In static batches a request's TTFT is the time to its batch's start plus that batch's prefill (a 1-token
+``generate`` of the batch, timed apart), and its per-token latency is the batch's decode time over its steps; with
+``generate_batch`` both come from the per-token timestamps it records (host read times, one step late). On a GPU, the
+captured decode step of ``generate_batch`` at each row bucket is timed against its floor: the bytes it must read
+(the weights a step reads, with the experts a batch of rows picks in expectation for MoE; the keys / values at the
+workload's mean context; the DeltaNet states read and written) over the device copy bandwidth measured in the run.
+"""
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.benchmark_latency import build_pair, log, measure_ceilings, percentile, stock_cpu_guard  # noqa: E402
+from scripts.common import import_module, write_report  # noqa: E402
+
+MODELS = {"4b": "4B", "9b": "9B", "35b-a3b": "35B-A3B"}
+
+
+def workload(n: int, prompt_range: tuple[int, int], new_range: tuple[int, int], vocab: int, seed: int = 0):
+    """``n`` requests (prompt token ids, new tokens), lengths uniform in the ranges, tokens uniform in [3, vocab)."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(n):
+        length = rng.randint(*prompt_range)
+        requests.append(([rng.randrange(3, vocab) for _ in range(length)], rng.randint(*new_range)))
+    return requests
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _padded(prompts: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and mask [B, longest]."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p) :] = torch.tensor(p)
+        mask[i, longest - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def static_batches(model, requests: list, batch: int, device, progress: str) -> dict:
+    """Run ``requests`` through ``model.generate`` in padded static batches of ``batch``; per request its TTFT and
+    per-token latency (s), and the wall time."""
+    ttft, per_token, batch_times = [], [], []
+    for b in range(0, len(requests), batch):
+        chunk = requests[b : b + batch]
+        ids, mask = _padded([p for p, _ in chunk], device)
+        new = max(n for _, n in chunk)
+        kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+        at = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=1, **kw)
+        sync(device)
+        prefill = time.perf_counter() - at
+        at = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=new, **kw)
+        sync(device)
+        took = time.perf_counter() - at
+        step = max(0.0, took - prefill) / max(1, new - 1)
+        for _ in chunk:  # the batch starts when the previous one has ended (the 1-token runs are not on the clock)
+            ttft.append(sum(batch_times) + prefill)
+            per_token.append(step)
+        batch_times.append(took)
+        log(f"{progress}: batch {b // batch + 1}/{-(-len(requests) // batch)}: {len(chunk)} requests, {new} steps, "
+            f"{took:.2f} s")
+    return {"wall_s": sum(batch_times), "ttft": ttft, "per_token": per_token, "batch_s": batch_times}
+
+
+def continuous(model, requests: list, rows: int, device, prefill_chunk: int | None) -> dict:
+    """Run ``requests`` through ``model.generate_batch``; per request its TTFT and per-token latency (s)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = GenerationConfig(do_sample=False, pad_token_id=0, eos_token_id=None)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=rows, seed=0)
+    sync(device)
+    start = time.perf_counter()
+    out = model.generate_batch([p for p, _ in requests], generation_config=config, continuous_batching_config=cb,
+                               max_new_tokens=[n for _, n in requests], record_timestamps=True,
+                               prefill_chunk=prefill_chunk)
+    sync(device)
+    wall = time.perf_counter() - start
+    by_id, failed = {}, []
+    for rid, got in out.items():
+        if got.error is not None or not got.timestamps:
+            failed.append(f"{rid}: {got.error}")
+            continue
+        times = got.timestamps
+        by_id[rid] = (times[0] - start, (times[-1] - times[0]) / max(1, len(times) - 1))
+    return {"wall_s": wall, "ttft": [t for t, _ in by_id.values()], "per_token": [s for _, s in by_id.values()],
+            "by_id": by_id, "failed": failed, "tokens": sum(len(o.generated_tokens) for o in out.values())}
+
+
+def stats(run: dict, tokens: int) -> dict:
+    ms = [t * 1e3 for t in run["ttft"]]
+    step = [t * 1e3 for t in run["per_token"]]
+    return {"requests": len(ms), "tokens": tokens, "wall_s": run["wall_s"], "tokens_per_s": tokens / run["wall_s"],
+            "ttft_ms_p50": percentile(ms, 0.5), "ttft_ms_p99": percentile(ms, 0.99),
+            "per_token_ms_p50": percentile(step, 0.5), "per_token_ms_p99": percentile(step, 0.99)}
+
+
+def step_bytes(model, rows: int, context: int) -> dict:
+    """Bytes one decode step of ``rows`` rows at ``context`` keys a row must move: the weights it reads (for MoE the
+    experts ``rows`` tokens pick in expectation, uniform routing), the keys / values, the DeltaNet states read and
+    written."""
+    batch = import_module("fused_batch")
+    text = model._text_model()
+    weights = experts = 0
+    for name, p in text.layers.named_parameters():
+        if ".experts." in f".{name}":
+            experts += p.nbytes
+        else:
+            weights += p.nbytes
+    weights += text.norm.weight.nbytes + model.lm_head.weight.nbytes
+    config = text.config
+    if experts:
+        E, k = config.num_experts, config.num_experts_per_tok
+        experts = experts * (1 - (1 - k / E) ** rows)  # the expected fraction of experts some row picks
+    per_token, per_row = batch._state_bytes(text)
+    return {"weights": weights + experts, "kv": rows * context * per_token, "state": 2 * rows * per_row}
+
+
+def time_decode_steps(model, context: int, copy_rate: float | None, repeats: int = 20) -> dict:
+    """The captured decode step of ``generate_batch`` (the buffers its run left) at each row bucket it captured:
+    median ms over ``repeats`` replays at slot ``context``, and its floor."""
+    text = model._text_model()
+    buffers = text.runner.batch
+    if buffers is None:
+        return {}
+    head = import_module("fused_generate").graph_head(model, text, buffers.state)
+    out = {}
+    for rows, view in sorted(buffers.views.items()):
+        if not view.graph:
+            continue
+        slot = min(context, buffers.max_len - repeats - 1)
+        view.key_valid[:, :slot] = True
+        times = []
+        for _ in range(repeats):
+            view.slot.fill_(slot)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            view.decode(text, True, head)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        moved = step_bytes(model, rows, slot)
+        ms = statistics.median(times)
+        floor = sum(moved.values()) / copy_rate * 1e3 if copy_rate else float("nan")
+        out[rows] = {"step_ms": ms, "floor_ms": floor, "over_floor": ms / floor, "bytes": moved}
+    return out
+
+
+def to_markdown(r: dict) -> str:
+    lines = [f"# generate_batch benchmark: {r['model']} ({r['dtype']}, {r['device']})", "",
+             f"{r['requests']} requests, prompts {r['prompt_range'][0]}-{r['prompt_range'][1]} tokens, "
+             f"{r['new_range'][0]}-{r['new_range'][1]} new (seed {r['seed']}); static batches of {r['batch']}; "
+             f"generate_batch: {r['rows']} rows, prefill_chunk {r['prefill_chunk']}, path: {r['batch_path']}"
+             + (" (switched on for this run: --fused-on-gpu)." if r["fused_on_gpu_forced"] else "."),
+             f"Stock ran the first {r['stock_requests']} requests only (a subset): the rows marked 'subset' compare "
+             "the same requests.", "",
+             "| run | requests | output tok/s | TTFT p50 / p99 ms | per-token p50 / p99 ms |", "|---|---|---|---|---|"]
+    for name, s in r["runs"].items():
+        lines.append(f"| {name} | {s['requests']} | {s['tokens_per_s']:.1f} | {s['ttft_ms_p50']:.1f} / "
+                     f"{s['ttft_ms_p99']:.1f} | {s['per_token_ms_p50']:.2f} / {s['per_token_ms_p99']:.2f} |")
+    lines += ["", "| ratio (output tok/s) | value | target |", "|---|---|---|"]
+    for name, (value, target) in r["ratios"].items():
+        lines.append(f"| {name} | {value:.2f}x | {target} |")
+    if r["decode_steps"]:
+        lines += ["", f"Captured decode step of generate_batch at {r['context']} keys a row (copy rate "
+                  f"{r['copy_bytes_per_s'] / 1e12:.2f} TB/s):", "",
+                  "| rows | step ms | floor ms | x floor | ms / token |", "|---|---|---|---|---|"]
+        for rows, s in r["decode_steps"].items():
+            lines.append(f"| {rows} | {s['step_ms']:.3f} | {s['floor_ms']:.3f} | {s['over_floor']:.2f} | "
+                         f"{s['step_ms'] / int(rows):.3f} |")
+    if r["batch_path"] != "fused scheduler":
+        lines += ["", "generate_batch did not take the fused scheduler here: its requests ran through generate one "
+                  "after another, and their timestamps all read at the end (per-token latencies 0)."]
+    if r["failed"]:
+        lines += ["", f"Failed in generate_batch: {r['failed']}"]
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    moe = args.model == "35b-a3b"
+    shape = ("tiny-moe" if moe else "tiny") if args.tiny else MODELS[args.model]
+    prompt_range = args.prompt_range or ((4, 40) if args.tiny else (32, 2048))
+    new_range = args.new_range or ((2, 12) if args.tiny else (16, 512))
+    log(f"building stock and fused {shape} ({args.dtype}) on {device}")
+    stock, fused = build_pair(shape, None, device, dtype, seed=args.seed, layers=args.layers)
+    stock.to(device)
+    fused.to(device)
+    for model in (stock, fused):  # EOS off: every request generates exactly its count
+        model.generation_config.eos_token_id = None
+        model.config.eos_token_id = None
+    vocab = stock.config.vocab_size
+    requests = workload(args.requests, prompt_range, new_range, vocab, args.seed)
+    subset = requests[: args.stock_requests]
+    tokens = sum(n for _, n in requests)
+    sub_tokens = sum(n for _, n in subset)
+    batch_mod = import_module("fused_batch")
+    if args.fused_on_gpu:
+        batch_mod.FUSED_ON_GPU = True
+    blocker = batch_mod.batch_blocker(fused, fused.generation_config)
+    results = {"model": shape, "dtype": args.dtype, "device": str(device), "requests": len(requests),
+               "stock_requests": len(subset), "prompt_range": prompt_range, "new_range": new_range, "seed": args.seed,
+               "batch": args.batch, "rows": args.rows, "prefill_chunk": args.prefill_chunk,
+               "batch_path": "fused scheduler" if blocker is None else f"generate per request ({blocker})",
+               "fused_on_gpu_forced": bool(args.fused_on_gpu),
+               "runs": {}, "ratios": {}, "decode_steps": {}, "failed": []}
+    log(f"workload: {len(requests)} requests, {tokens} output tokens; stock on {len(subset)}")
+
+    # warm-up: every path once on a few requests, so no run pays for compiling / capturing its first shapes
+    warm = requests[: min(4, len(requests))]
+    static_batches(stock, warm, args.batch, device, "warm-up stock")
+    static_batches(fused, warm, args.batch, device, "warm-up fused")
+    continuous(fused, warm, args.rows, device, args.prefill_chunk)
+
+    stock_run = static_batches(stock, subset, args.batch, device, "(1) stock static")
+    results["runs"]["(1) stock static, subset"] = stock_s = stats(stock_run, sub_tokens)
+    fused_run = static_batches(fused, requests, args.batch, device, "(2) fused static")
+    results["runs"]["(2) fused static"] = fused_s = stats(fused_run, tokens)
+    batches = -(-len(subset) // args.batch)
+    sub_run = {"wall_s": sum(fused_run["batch_s"][:batches]), "ttft": fused_run["ttft"][: len(subset)],
+               "per_token": fused_run["per_token"][: len(subset)]}
+    results["runs"]["(2) fused static, subset"] = fused_sub = stats(sub_run, sub_tokens)
+    log("(3) fused generate_batch")
+    batch_run = continuous(fused, requests, args.rows, device, args.prefill_chunk)
+    results["runs"]["(3) fused generate_batch"] = cont_s = stats(batch_run, batch_run["tokens"])
+    results["failed"] = batch_run["failed"]
+    # the subset's requests as they ran among all the others (throughput: the whole run's)
+    sub = [batch_run["by_id"][f"req_{i}"] for i in range(len(subset)) if f"req_{i}" in batch_run["by_id"]]
+    results["runs"]["(3) fused generate_batch, subset latencies"] = stats(
+        {"wall_s": batch_run["wall_s"], "ttft": [t for t, _ in sub], "per_token": [s for _, s in sub]},
+        batch_run["tokens"])
+    results["ratios"] = {
+        "(3) / (2) fused static, all requests": (cont_s["tokens_per_s"] / fused_s["tokens_per_s"], ">= 3x at 4B"),
+        "(3) / (1) stock static (stock on its subset)": (cont_s["tokens_per_s"] / stock_s["tokens_per_s"],
+                                                         ">= 20x at 4B"),
+        "(2) / (1) on the same subset": (fused_sub["tokens_per_s"] / stock_s["tokens_per_s"], ""),
+    }
+    if device.type == "cuda" and blocker is None:
+        ceilings = measure_ceilings(device)
+        context = round(statistics.fmean(len(p) + n / 2 for p, n in requests))
+        results["context"], results["copy_bytes_per_s"] = context, ceilings["copy_bytes_per_s"]
+        with torch.inference_mode():
+            steps = time_decode_steps(fused, context, ceilings["copy_bytes_per_s"])
+        results["decode_steps"] = {str(rows): s for rows, s in steps.items()}
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="4b", choices=sorted(MODELS), help="the real shape, random weights")
+    p.add_argument("--tiny", action="store_true", help="the tiny test config instead (tiny-moe with 35b-a3b)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--requests", type=int, default=512)
+    p.add_argument("--stock-requests", type=int, default=64, help="stock runs this many of the requests (a subset)")
+    p.add_argument("--batch", type=int, default=32, help="the static batch size of runs (1) and (2)")
+    p.add_argument("--rows", type=int, default=32, help="generate_batch's rows (max_requests_per_batch)")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="generate_batch's prefill_chunk (default: none)")
+    p.add_argument("--prompt-range", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                   help="min,max prompt tokens (default 32,2048; tiny 4,40)")
+    p.add_argument("--new-range", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                   help="min,max new tokens (default 16,512; tiny 2,12)")
+    p.add_argument("--fused-on-gpu", action="store_true",
+                   help="serve generate_batch from the fused scheduler on a GPU for this run (fused_batch.FUSED_ON_GPU)")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("out/batch"))
+    args = p.parse_args(argv)
+    if args.device == "cpu" and args.dtype == "bfloat16":
+        args.dtype = "float32"
+    args.stock_requests = min(args.stock_requests, args.requests)
+    with stock_cpu_guard(torch.device(args.device)):  # on CPU, stock (and the fused fallback) run torch code
+        results = run(args)
+    write_report(args.out, "batch", results, to_markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
