@@ -64,6 +64,13 @@ FP32_BOUND = {"cuda": 2e-5, "cpu": 1e-5}
 LOW_PRECISION_FACTOR = 2.0
 # ... or within the CUDA tests' model bound of stock itself.
 LOW_PRECISION_BOUND = {torch.bfloat16: 1.5e-2, torch.float16: 1.5e-2}
+# fp32 beyond FP32_BOUND (widened weights make some cases ill-conditioned: large gates and decays over hundreds of
+# tokens): the fused error from the float64 answer at most this multiple of stock's own fp32 error there.
+FP32_FACTOR = 2.0
+# An MoE router whose k-th and (k+1)-th expert probabilities (float64 answer) are closer than this at a token picks
+# either expert under any fp32 rounding: stock and fused may route that token differently, both right. Such tokens
+# are left out of the fp32 comparison (and reported as "router ties" in the summary); any other position still counts.
+ROUTER_TIE = 2e-6
 
 # Lengths at the edges the fused path cares about: the 64-token forward buckets and their 1/8 steps, fla's 64-token
 # chunks, deltanet_prep's 32- and 16-token tiles, the decode buckets (256 and powers of two), and one past each.
@@ -223,10 +230,56 @@ def build_pair(case: dict, device: torch.device):
     fused = fused_cls(fused_cfg(**kw, fused_kernels=True))
     fused.load_state_dict(stock.state_dict(), strict=True)
     dtype = DTYPES[case["dtype"]]
-    ref = None
-    if dtype != torch.float32:
-        ref = copy.deepcopy(stock).to(device).eval()
+    # the answer the errors are measured from: float32 for 16-bit cases, float64 for fp32 cases (`float64_stock`)
+    ref = copy.deepcopy(stock).to(device, torch.float64 if dtype == torch.float32 else torch.float32).eval()
     return stock.to(device, dtype).eval(), fused.to(device, dtype).eval(), ref
+
+
+class _Float64Torch:
+    """``torch`` as stock's modeling modules see it inside ``float64_stock``: ``torch.float32`` / ``torch.float`` name
+    float64, so the casts stock makes to float32 (DeltaNet's kernels, the norms, softmax) keep float64."""
+
+    def __getattr__(self, name):
+        return torch.float64 if name in ("float32", "float") else getattr(torch, name)
+
+
+@contextlib.contextmanager
+def float64_stock():
+    """Stock's Qwen3.5 code computing in float64 throughout (on a float64 model): the fp32 cases' answer."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as dense
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as moe
+
+    saved = [(m, m.torch) for m in (dense, moe)]
+    try:
+        for m, _ in saved:
+            m.torch = _Float64Torch()
+        yield
+    finally:
+        for m, t in saved:
+            m.torch = t
+
+
+@contextlib.contextmanager
+def router_gaps(model, into: list):
+    """While active, each forward of ``model``'s MoE routers appends to ``into`` the gap between the k-th and the
+    (k+1)-th expert probability of every token ([B, T], +inf where every expert is picked)."""
+    hooks = []
+
+    def hook(module, args, out):
+        x = args[0]
+        probs = out[0].double().softmax(-1).sort(-1, descending=True).values
+        k = module.top_k
+        gap = probs[:, k - 1] - probs[:, k] if k < probs.shape[-1] else torch.full_like(probs[:, 0], math.inf)
+        into.append(gap.reshape(x.shape[:-1]).cpu())
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate") and hasattr(module, "top_k"):
+            hooks.append(module.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 @contextlib.contextmanager
@@ -290,6 +343,8 @@ class Compare:
         self.dtype = DTYPES[case["dtype"]]
         self.failures: list[str] = []
         self.checks = 0
+        self.ties = None  # [B, T] tokens of the last call at a router tie (``ROUTER_TIE``), or None
+        self.tied_tokens = 0
 
     def values(self, name: str, got, want, ref=None, real=None, whole: bool = False) -> None:
         """``got`` (fused) against ``want`` (stock), per position ([B, T, N]; ``whole``: over the whole tensor, for
@@ -309,8 +364,20 @@ class Compare:
         err, at = per_position_err(got, want, real)
         if self.dtype == torch.float32:
             bound = FP32_BOUND[self.device.type]
-            if err > bound:
-                self.failures.append(f"{name}: rel. error {err:.3g} at (row, position) {at} > {bound:g}")
+            if err <= bound:
+                return
+            ties = self._ties_of(got) if not whole else None
+            if ties is not None and ties.any():  # leave the tokens at a router tie out, count the rest
+                keep = ~ties if real is None else real.cpu() & ~ties
+                err, at = per_position_err(got, want, keep)
+                if err <= bound:
+                    return
+                real = keep
+            fused_err, _ = per_position_err(got, ref, real) if ref is not None else (math.inf, None)
+            stock_err, _ = per_position_err(want, ref, real) if ref is not None else (0.0, None)
+            if fused_err > FP32_FACTOR * stock_err:
+                self.failures.append(f"{name}: rel. error {err:.3g} at (row, position) {at} > {bound:g}; from the "
+                                     f"float64 answer fused {fused_err:.3g} > {FP32_FACTOR:g} x stock's {stock_err:.3g}")
             return
         if err <= LOW_PRECISION_BOUND[self.dtype]:
             return
@@ -320,8 +387,15 @@ class Compare:
             self.failures.append(f"{name}: {err:.3g} from stock at {at}; from the fp32 answer fused {fused_err:.3g} > "
                                  f"{LOW_PRECISION_FACTOR:g} x stock's {stock_err:.3g}")
 
+    def _ties_of(self, got: torch.Tensor):
+        """The router-tie mask of the last call, cut to ``got``'s positions (``logits_to_keep`` keeps the last)."""
+        if self.ties is None or self.ties.shape[0] != got.shape[0] or self.ties.shape[1] < got.shape[1]:
+            return None
+        return self.ties[:, self.ties.shape[1] - got.shape[1]:]
+
     def tokens(self, name: str, got: torch.Tensor, want: torch.Tensor, step_logits=None) -> None:
-        """Generated tokens: equal in fp32; in 16 bits they may part only at a step whose logits pass ``values``
+        """Generated tokens: they may part only at a step whose logits pass ``values`` (in fp32 also only where stock's
+        two best logits are within twice the fused-to-stock logit difference: a near-tie)
         (``step_logits(row, position)``: fused, stock and float32-answer logits [1, 1, vocab] over the common
         prefix)."""
         self.checks += 1
@@ -332,8 +406,16 @@ class Compare:
         if diff.numel() == 0:
             return
         row, pos = (int(v) for v in diff[0])
-        if self.dtype != torch.float32 and step_logits is not None:  # a failure only if those logits fail
-            self.values(f"{name}: logits where row {row} parts from stock (position {pos})", *step_logits(row, pos))
+        if step_logits is not None:  # a failure only if those logits fail (a near-tie of two tokens may part)
+            g, w, a = step_logits(row, pos)
+            failed = len(self.failures)
+            self.values(f"{name}: logits where row {row} parts from stock (position {pos})", g, w, a)
+            if len(self.failures) == failed and self.dtype == torch.float32:  # fp32: only at a near-tie of stock's
+                top = w.double().flatten().topk(2).values
+                margin, diff = float(top[0] - top[1]), float((g.double() - w.double()).abs().max())
+                if margin > 2 * diff:
+                    self.failures.append(f"{name}: row {row} parts from stock at position {pos}, where stock's two "
+                                         f"best logits are {margin:.3g} apart (> 2 x the logits' difference {diff:.3g})")
             return
         self.failures.append(f"{name}: row {row} parts from stock at position {pos} ({int(got[row, pos])} vs "
                              f"{int(want[row, pos])})")
@@ -378,6 +460,8 @@ def run_case(case: dict) -> list[str]:
 
     ieee = check.dtype == torch.float32 or device.type == "cpu"
 
+    exact = float64_stock if check.dtype == torch.float32 else contextlib.nullcontext
+
     def both(fn):
         with torch.inference_mode():
             with stock_reference(ieee):
@@ -385,8 +469,15 @@ def run_case(case: dict) -> list[str]:
                     want = fn(stock)
                 except Exception as err:  # noqa: BLE001 - not a valid call: nothing to compare
                     raise StockRefuses(f"{type(err).__name__}: {err}") from err
-            with stock_reference(True):
-                answer = fn(ref) if ref is not None else None
+            gaps = []
+            with stock_reference(True), exact(), router_gaps(ref, gaps):
+                answer = fn(ref)
+            if gaps and all(g.shape == gaps[0].shape for g in gaps):
+                ties = torch.stack(gaps).min(0).values < ROUTER_TIE
+                check.ties = ties
+                check.tied_tokens += int(ties.sum())
+            else:
+                check.ties = None
             return fn(fused), want, answer
 
     if kind in ("forward", "forward_padded", "hidden_states"):
@@ -598,7 +689,9 @@ def search(seed: int, device: str, minutes: float | None = None, cases: int | No
 
 def emulation_check(seed: int, minutes: float | None, cases: int | None, pool: int = 48, log=print) -> dict:
     """The CPU emulation against the GPU path on the same fp32 cases (configs from a pool of ``pool``): the fused
-    logits of both devices agree (so a CPU pass says something about the GPU)."""
+    logits of both devices agree on every real position (so a CPU pass says something about the GPU): within
+    ``FP32_BOUND``, or, in an ill-conditioned case, within 2 x ``FP32_FACTOR`` x stock's own fp32 error from the
+    float64 answer."""
     start, rng, done, bad = time.monotonic(), random.Random(seed), 0, []
     configs = config_pool(pool, 0.3) if pool else None
     while (cases is None or done < cases) and (minutes is None or time.monotonic() - start < minutes * 60):
@@ -608,15 +701,23 @@ def emulation_check(seed: int, minutes: float | None, cases: int | None, pool: i
         for device in ("cuda", "cpu"):
             c = dict(case, device=device)
             plan_mod.EMULATE_ON_CPU = device == "cpu"
-            _, fused, _ = build_pair(c, torch.device(device))
+            stock, fused, ref = build_pair(c, torch.device(device))
             ids, mask = make_inputs(c["call"], c["config"]["vocab_size"], device)
             with torch.inference_mode():
                 outs[device] = fused(input_ids=ids, attention_mask=mask, use_cache=False).logits.float().cpu()
-        err, at = per_position_err(outs["cpu"], outs["cuda"], None)
+                if device == "cpu":  # how far fp32 rounding moves this case: stock's fp32 from the float64 answer
+                    with stock_reference(True):
+                        want = stock(input_ids=ids, attention_mask=mask).logits
+                        with float64_stock():
+                            answer = ref(input_ids=ids, attention_mask=mask).logits
+        real = None if mask is None else mask.bool()
+        err, at = per_position_err(outs["cpu"], outs["cuda"], real)
         done += 1
-        if err > FP32_BOUND["cuda"]:
-            bad.append({"case": case, "err": err, "at": at})
-            log(f"EMULATION DIFFERS {describe(case)}: {err:.3g} at {at}")
+        if err > FP32_BOUND["cuda"]:  # past the bound: more than the case's own conditioning allows?
+            stock_err, _ = per_position_err(want, answer, real)
+            if err > 2 * FP32_FACTOR * stock_err:  # each side may be FP32_FACTOR x stock's error from the answer
+                bad.append({"case": case, "err": err, "at": at, "stock_err": stock_err})
+                log(f"EMULATION DIFFERS {describe(case)}: {err:.3g} at {at} (stock's own fp32 error {stock_err:.3g})")
     return {"cases": done, "differing": bad}
 
 
