@@ -255,6 +255,8 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def _broken_accept(p_scores, drafts, q, do_sample):
     """The rule with its ratio inverted (min(1, q / p)): a plausible bug the test must catch."""
     p = torch.softmax(p_scores, dim=-1)
+    if p.shape[1] == 1:  # no drafts
+        return 0, torch.multinomial(p[:, 0], 1).squeeze(1)
     p_d = p[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)
     q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
     kept = torch.rand_like(p_d) * p_d < q_d
