@@ -181,7 +181,7 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
     while True:
         cur = input_ids.shape[1]
         ids = torch.cat([input_ids, drafts], dim=-1)
-        p_scores = torch.stack([logits_processor(ids[:, : cur + i], p_logits[:, i].float())
+        p_scores = torch.stack([logits_processor(ids[:, : cur + i], p_logits[:, i].to(torch.float32, copy=True))
                                 for i in range(p_logits.shape[1])], dim=1)
         n, last = accept(p_scores, drafts, q, do_sample)
         tokens = torch.cat([drafts[:, :n], last[:, None]], dim=-1)  # [B, n + 1]

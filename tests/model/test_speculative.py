@@ -126,6 +126,30 @@ def test_greedy_tokens_and_cache_equal_non_speculative_and_stock(moe, k):
 
 
 @cpu_emulated
+def test_composite_model_greedy_equal():
+    """The composite (vision-language) class, as real checkpoints load: its text-only generate passes the prompt to
+    the backbone as embeddings with mRoPE positions; drafts half right give the non-speculative tokens."""
+    from helpers import composite_kwargs
+
+    config = configuration.Qwen3_5FusedConfig(**composite_kwargs(mtp_num_hidden_layers=1), fused_kernels=True)
+    torch.manual_seed(0)
+    model = modeling.Qwen3_5FusedForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and not name.startswith("model.visual"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    ids = _prompt(seed=9)
+    kwargs = dict(max_new_tokens=17, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        plain = model.generate(ids, mtp_speculative_tokens=0, **kwargs)
+        for k in (1, 3):
+            with spec.record_rounds() as rounds, spec.override_drafts(_oracle(plain, 0.5, k)):
+                out = model.generate(ids, mtp_speculative_tokens=k, **kwargs)
+            assert torch.equal(out, plain) and any(n for _, n in rounds), k
+
+
+@cpu_emulated
 @pytest.mark.parametrize("k", [1, 3])
 def test_acceptance_bookkeeping(k):
     """Drafts that are the model's own greedy tokens are all accepted (a round emits k + 1 tokens); drafts that
