@@ -309,7 +309,8 @@ class DecodeState:
                 cos, sin = text_model.rotary_emb(h[:B], positions)
             else:
                 sections, freqs, scaling = self.rope
-                cos, sin = ops.mrope_step(positions, sections, freqs, scaling, h.dtype, mark_valid=(self.key_valid, slot))
+                cos, sin = ops.mrope_step(positions, sections, freqs, scaling, h.dtype,
+                                          mark_valid=(self.key_valid, slot))
                 cos, sin = cos[:, None], sin[:, None]
             slots.append(slot)
             ropes.append((cos, sin))
@@ -341,7 +342,8 @@ class DecodeState:
         conv_w = m.conv1d.weight.squeeze(1)
         cores = []
         for t in range(T):
-            qkv = self.ops.causal_conv1d_step(mixed[:, t], self.conv[i], conv_w, m.conv1d.bias)  # [B, conv_dim], the state moved on
+            # [B, conv_dim] after the conv + SiLU, the conv state moved on by this token
+            qkv = self.ops.causal_conv1d_step(mixed[:, t], self.conv[i], conv_w, m.conv1d.bias)
             q, k, v = torch.split(qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
             cores.append(self.ops.gated_delta_rule_step(
                 q.reshape(B, m.num_k_heads, m.head_k_dim), k.reshape(B, m.num_k_heads, m.head_k_dim),

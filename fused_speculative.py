@@ -40,6 +40,39 @@ from .fused_compat import GENERATE_OUTPUT_CACHE_FIELD, GenerateDecoderOnlyOutput
 from .fused_decode import FusedDecodeCache
 from .fused_generate import stop_rows
 
+SPECULATIVE_TOKENS_FIELD = "mtp_speculative_tokens"  # the config / generation-config field and generate() argument
+# Drafted tokens a round when neither the call nor the config says (on a GPU; 0 on CPU, where the fused path is only
+# the tests' emulation). 2, as vLLM's and SGLang's Qwen3-Next / Qwen3.5 MTP examples set num_speculative_tokens.
+DEFAULT_SPECULATIVE_TOKENS = 2
+# `generate(..., mtp_speculative_tokens=k)` for the call in progress (None: not given): the model's generate takes the
+# argument (stock's model-kwargs check would refuse it) and its `_sample` hook reads it.
+CALL_SPECULATIVE_TOKENS: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_mtp_tokens", default=None)
+
+
+def check_speculative_tokens(value, where: str) -> int | None:
+    """``value`` as the number of drafted tokens (None: unset); ``ValueError`` naming ``where`` unless an int >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{SPECULATIVE_TOKENS_FIELD} ({where}) must be an int >= 0 (0 turns speculative decoding "
+                         f"off), got {value!r}")
+    return value
+
+
+def speculation_blocker(cache: FusedDecodeCache, input_ids, model_kwargs) -> str | None:
+    """None when a fused ``generate`` on ``cache`` can decode speculatively, else why not."""
+    if cache._state.batch != 1:
+        return f"the batch has {cache._state.batch} rows (speculative decoding runs one row)"
+    if cache._state.multi_device:
+        return "the model is split over several devices"
+    if model_kwargs.get("inputs_embeds") is not None or input_ids.shape[1] == 0:
+        return "the prompt came as inputs_embeds (the MTP head needs its tokens)"
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        return "the prompt is padded"
+    return None
+
+
 # A benchmark's hook on the drafts: fn(drafts [B, k], input_ids) -> drafts, applied after the head has drafted and
 # before the verify step (so the work done is the same), to set the acceptance rate (scripts/benchmark_speculative.py).
 _DRAFT_OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_draft_override", default=None)
@@ -84,7 +117,8 @@ def verify_logits(model, text_model, cache: FusedDecodeCache, tokens: torch.Tens
     hidden = verified.hidden
     head = model.lm_head
     weight = getattr(head, "weight", None)
-    if type(head) is nn.Linear and head.bias is None and weight.dtype == hidden.dtype and weight.device == hidden.device:
+    plain = type(head) is nn.Linear and head.bias is None
+    if plain and weight.dtype == hidden.dtype and weight.device == hidden.device:
         B, T = tokens.shape
         logits = st.ops.small_linear(hidden.reshape(B * T, -1), weight).view(B, T, -1)
     else:

@@ -106,7 +106,14 @@ from .fused_moe import FUSED_MOE_OPS, FusedMoeDecoderLayer
 from .fused_mtp import MTP_PREFIX, Qwen3_5MultiTokenPredictor, mtp_layer_count
 from .fused_plan import LAYER_KINDS, MOE_LAYER_KINDS, FusedPlan, announce, announced
 from .fused_runner import FusedRunner
-from .fused_speculative import speculative_sample
+from .fused_speculative import (
+    CALL_SPECULATIVE_TOKENS,
+    DEFAULT_SPECULATIVE_TOKENS,
+    SPECULATIVE_TOKENS_FIELD,
+    check_speculative_tokens,
+    speculation_blocker,
+    speculative_sample,
+)
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -148,23 +155,6 @@ def _sync_switches(config) -> None:
 _LOAD_DECIDED_HUB_KERNELS: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_load_hub_kernels", default=False)
 # True inside `from_pretrained`: where transformers' load hook differs (`LOAD_HOOK_REASON`), a load builds no MTP head.
 _LOADING: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_loading", default=False)
-# `generate(..., mtp_speculative_tokens=k)` for the call in progress (None: not given), read by `_sample`.
-_CALL_SPECULATIVE_TOKENS: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_mtp_tokens", default=None)
-
-SPECULATIVE_TOKENS_FIELD = "mtp_speculative_tokens"
-# Drafted tokens a round when neither the call nor the config says (on a GPU; 0 on CPU, where the fused path is only
-# the tests' emulation). 2, as vLLM's and SGLang's Qwen3-Next / Qwen3.5 MTP examples set num_speculative_tokens.
-DEFAULT_SPECULATIVE_TOKENS = 2
-
-
-def check_speculative_tokens(value, where: str) -> int | None:
-    """``value`` as the number of drafted tokens (None: unset); ``ValueError`` naming ``where`` unless an int >= 0."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{SPECULATIVE_TOKENS_FIELD} ({where}) must be an int >= 0 (0 turns speculative decoding "
-                         f"off), got {value!r}")
-    return value
 
 
 def _hub_kernels_off(requested) -> bool:
@@ -284,7 +274,7 @@ class _FusedPreTrainedMixin:
     def generate(self, *args, **kwargs):
         # the per-call switch: taken here, so stock's model-kwargs check never sees it
         call_k = check_speculative_tokens(kwargs.pop(SPECULATIVE_TOKENS_FIELD, None), "generate() argument")
-        token = _CALL_SPECULATIVE_TOKENS.set(call_k)
+        token = CALL_SPECULATIVE_TOKENS.set(call_k)
         try:
             # a fused generate uses the model's shared decode buffers and graphs: one call at a time per model
             if self.fused_plan.decode_reason is None:
@@ -292,7 +282,7 @@ class _FusedPreTrainedMixin:
                     return with_stock_cache(super().generate(*args, **kwargs), self._text_model())
             return super().generate(*args, **kwargs)
         finally:
-            _CALL_SPECULATIVE_TOKENS.reset(token)
+            CALL_SPECULATIVE_TOKENS.reset(token)
 
     def speculative_tokens(self, generation_config=None) -> int:
         """How many tokens the MTP head drafts a round in a fused ``generate`` (0: off), first of: the call's
@@ -301,7 +291,7 @@ class _FusedPreTrainedMixin:
         if getattr(self, "mtp", None) is None:
             return 0
         config = self.config
-        for value, where in ((_CALL_SPECULATIVE_TOKENS.get(), "generate() argument"),
+        for value, where in ((CALL_SPECULATIVE_TOKENS.get(), "generate() argument"),
                              (getattr(generation_config, SPECULATIVE_TOKENS_FIELD, None), "generation config"),
                              (getattr(config, SPECULATIVE_TOKENS_FIELD, None), "config"),
                              (getattr(config.get_text_config(), SPECULATIVE_TOKENS_FIELD, None), "text config")):
@@ -309,19 +299,6 @@ class _FusedPreTrainedMixin:
             if value is not None:
                 return value
         return DEFAULT_SPECULATIVE_TOKENS if self.fused_plan.device.type == "cuda" else 0
-
-    def _speculation_blocker(self, cache: FusedDecodeCache, input_ids, model_kwargs) -> str | None:
-        """None when this fused ``generate`` can decode speculatively, else why not."""
-        if cache._state.batch != 1:
-            return f"the batch has {cache._state.batch} rows (speculative decoding runs one row)"
-        if cache._state.multi_device:
-            return "the model is split over several devices"
-        if model_kwargs.get("inputs_embeds") is not None or input_ids.shape[1] == 0:
-            return "the prompt came as inputs_embeds (the MTP head needs its tokens)"
-        mask = model_kwargs.get("attention_mask")
-        if mask is not None and not bool(mask.all()):
-            return "the prompt is padded"
-        return None
 
     def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None,
                        record_timestamps: bool = False, progress_bar: bool = False, persistent_manager: bool = False,
@@ -371,7 +348,7 @@ class _FusedPreTrainedMixin:
                 text_model = self._text_model()
                 k = self.speculative_tokens(a["generation_config"])
                 if k:
-                    reason = self._speculation_blocker(cache, a["input_ids"], a["model_kwargs"])
+                    reason = speculation_blocker(cache, a["input_ids"], a["model_kwargs"])
                     if reason is None:
                         announce(f"mtp/speculative/{k}", f"Qwen3.5 fused: generate() decodes speculatively: the MTP "
                                  f"head drafts {k} token(s) a round, one fused verify pass over {k + 1} checks them "
