@@ -170,6 +170,36 @@ def test_acceptance_bookkeeping(k):
                 assert all(n == 0 for _, n in rounds) and len(rounds) == new - 1, rounds
 
 
+@cpu_emulated
+@pytest.mark.parametrize("new", [1, 2, 3, 5, 6])
+def test_max_new_tokens_is_never_passed(new):
+    """k = 3 with every draft right: a round drafts at most what is left minus one, so exactly ``new`` tokens, the
+    non-speculative ones, whatever ``new`` is against k + 1."""
+    _, fused = _pair(seed=10)
+    ids = _prompt(seed=10)
+    with torch.no_grad():
+        plain = fused.generate(ids, max_new_tokens=new, mtp_speculative_tokens=0, eos_token_id=None, **GREEDY)
+        with spec.record_rounds() as rounds, spec.override_drafts(_oracle(plain.sequences, 1.0)):
+            out = fused.generate(ids, max_new_tokens=new, mtp_speculative_tokens=3, eos_token_id=None, **GREEDY)
+    assert out.sequences.shape[1] == ids.shape[1] + new and torch.equal(out.sequences, plain.sequences)
+    assert sum(n + 1 for _, n in rounds) == new - 1 and all(d <= 3 for d, _ in rounds)
+    assert cache_of(out).get_seq_length() == cache_of(plain).get_seq_length()
+
+
+@cpu_emulated
+def test_prefix_dependent_processors_see_each_positions_prefix():
+    """Repetition penalty and no-repeat n-grams read the tokens before each position: the verify positions are
+    processed with their own prefix (drafts included), so the greedy tokens stay the non-speculative ones."""
+    _, fused = _pair(seed=11)
+    ids = _prompt(seed=11)
+    kwargs = dict(max_new_tokens=20, repetition_penalty=1.5, no_repeat_ngram_size=2, eos_token_id=None, **GREEDY)
+    with torch.no_grad():
+        plain = fused.generate(ids, mtp_speculative_tokens=0, **kwargs)
+        with spec.record_rounds() as rounds, spec.override_drafts(_oracle(plain.sequences, 0.7)):
+            out = fused.generate(ids, mtp_speculative_tokens=3, **kwargs)
+    assert torch.equal(out.sequences, plain.sequences) and any(n > 1 for _, n in rounds)
+
+
 class _StopAtLength(StoppingCriteria):
     def __init__(self, length: int):
         self.length = length
