@@ -240,9 +240,8 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
         if verified is not None:  # the backbone ends after the emitted tokens but the last, as without drafts
             st.rollback(verified, emitted - 1, first_slot)
             cache._seq_len += emitted
-        stopped = emitted < n + 1 or False in running
         left = None if max_length is None else max_length - input_ids.shape[1]
-        if stopped or left == 0:
+        if False in running or left == 0:
             break
         # the head's next pairs: the verified rows the emitted tokens follow (after the prompt: all of it)
         pending_hidden = hidden[:, : hidden.shape[1] - p_logits.shape[1] + emitted]
