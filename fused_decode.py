@@ -9,6 +9,8 @@ captured once (on its second call; the first, eager, warms every kernel) and rep
 reference to the state; :class:`fused_runner.FusedRunner` runs the model on it.
 """
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
@@ -281,6 +283,109 @@ class DecodeState:
         act = self.ops.small_linear(x.view(B, -1), mlp.packed_weight()[0], gate_up=True)  # silu(gate) * up, [B, I]
         return step_linear(self.ops, act, mlp.down_proj.weight, mlp.down_proj.bias).view(B, 1, -1)
 
+    # -- several tokens at once (the speculative verify step) ----------------------------------------------------------
+
+    def verify(self, text_model, tokens: torch.Tensor) -> "Verified":
+        """The decoder over ``tokens`` [B, T] (the last chosen token, then T - 1 drafted ones) in one pass, as T
+        consecutive ``step`` calls would run it, keeping what :meth:`rollback` needs to end after any prefix.
+
+        Every linear and norm runs once over the B * T rows (the weights read once, which is what a verify step
+        saves over T steps); the per-token parts run token by token on the live buffers with the step's own ops:
+        the rotary cos / sin and key mark, the conv step and the gated delta rule (the conv and recurrent state after
+        each of the first T - 1 tokens copied aside), ``attn_prep`` writing K/V at slot + t and ``decode_attention``
+        over the keys up to it. Afterwards the buffers hold the state after all T tokens (slot and positions moved on
+        by T). Returns the final-norm hidden states [B, T, hidden] and the saved states."""
+        B, T = tokens.shape
+        N = B * T  # rows, b-major: row b * T + t is token t of sequence b
+        ops = self.ops
+        h = torch.index_select(text_model.embed_tokens.weight, 0, tokens.reshape(-1)).view(N, 1, -1)
+        slot0, positions0 = self.slot.clone(), self.positions.clone()
+        slots, ropes = [], []
+        for t in range(T):
+            slot = slot0 + t
+            positions = positions0 + t
+            if self.rope is None:
+                self.key_valid.index_fill_(1, slot, True)
+                cos, sin = text_model.rotary_emb(h[:B], positions)
+            else:
+                sections, freqs, scaling = self.rope
+                cos, sin = ops.mrope_step(positions, sections, freqs, scaling, h.dtype,
+                                          mark_valid=(self.key_valid, slot))
+                cos, sin = cos[:, None], sin[:, None]
+            slots.append(slot)
+            ropes.append((cos, sin))
+        conv_saved, recurrent_saved = {}, {}
+        mlp_out = None
+        for i, layer in enumerate(text_model.layers[: text_model.config.num_hidden_layers]):
+            ln = layer.input_layernorm
+            if mlp_out is None:
+                x = ops.rms_norm(h, ln.weight, ln.eps)
+            else:
+                x, h = ops.rms_norm(mlp_out, ln.weight, ln.eps, residual=h)
+            if layer.block_type == "linear_attention":
+                y = self._deltanet_verify(layer.linear_attn, x, i, B, T, conv_saved, recurrent_saved)
+            else:
+                y = self._attention_verify(layer.self_attn, x, i, B, T, slots, ropes)
+            ln = layer.post_attention_layernorm
+            x, h = ops.rms_norm(y, ln.weight, ln.eps, residual=h)
+            mlp_out = self._mlp_step(layer.mlp, x)
+        self.slot.copy_(slot0 + T)
+        self.positions.copy_(positions0 + T)
+        norm = text_model.norm
+        hidden = ops.rms_norm(mlp_out, norm.weight, norm.eps, residual=h)[0].view(B, T, -1)
+        return Verified(hidden, slot0, positions0, conv_saved, recurrent_saved)
+
+    def _deltanet_verify(self, m, x, i, B, T, conv_saved, recurrent_saved):
+        w, _ = m.packed_weight()
+        proj = self.ops.small_linear(x.view(B * T, -1), w).view(B, T, -1)  # q|k|v before the conv, z, b, a
+        mixed, z, b, a = torch.split(proj, [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads], dim=-1)
+        conv_w = m.conv1d.weight.squeeze(1)
+        cores = []
+        for t in range(T):
+            # [B, conv_dim] after the conv + SiLU, the conv state moved on by this token
+            qkv = self.ops.causal_conv1d_step(mixed[:, t], self.conv[i], conv_w, m.conv1d.bias)
+            q, k, v = torch.split(qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+            cores.append(self.ops.gated_delta_rule_step(
+                q.reshape(B, m.num_k_heads, m.head_k_dim), k.reshape(B, m.num_k_heads, m.head_k_dim),
+                v.reshape(B, m.num_v_heads, m.head_v_dim), a[:, t], b[:, t], m.A_log, m.dt_bias, self.recurrent[i],
+            ))  # [B, HV, Dv]
+            if t < T - 1:  # the state after token t, for a rollback to it
+                conv_saved.setdefault(i, []).append(self.conv[i].clone())
+                recurrent_saved.setdefault(i, []).append(self.recurrent[i].clone())
+        core = torch.stack(cores, dim=1).view(B * T, m.num_v_heads, m.head_v_dim)
+        core = self.ops.gated_rms_norm(core, z.reshape(B * T, -1), m.norm.weight, m.norm.variance_epsilon)
+        return step_linear(self.ops, core, m.out_proj.weight, m.out_proj.bias).view(B * T, 1, -1)
+
+    def _attention_verify(self, m, x, i, B, T, slots, ropes):
+        H, KV, D = m.config.num_attention_heads, m.config.num_key_value_heads, m.head_dim
+        w, bias = m.packed_weight()
+        qkv = step_linear(self.ops, x.view(B * T, -1), w, bias).view(B, T, -1)
+        keys, values = self.keys[i], self.values[i]
+        outs = []
+        for t in range(T):  # token t writes its K/V at slot + t and attends over the keys up to it
+            cos, sin = ropes[t]
+            q, _, _, gate = self.ops.attn_prep(qkv[:, t : t + 1].contiguous(), cos, sin, m.q_norm.weight,
+                                               m.k_norm.weight, m.q_norm.eps, H, KV, D,
+                                               kv_cache=(keys, values, slots[t]))
+            outs.append(self.ops.decode_attention(q.reshape(B, H, D), keys, values, self.key_valid, slots[t],
+                                                  gate.view(B, H * D), m.scaling))
+        o = torch.stack(outs, dim=1).view(B * T, H * D)
+        return step_linear(self.ops, o, m.o_proj.weight, m.o_proj.bias).view(B * T, 1, -1)
+
+    def rollback(self, verified: "Verified", keep: int, first_slot: int) -> None:
+        """End the state after the first ``keep`` + 1 tokens of ``verified``'s step (all of them: nothing to do): the
+        saved conv / recurrent states copied back, slot and positions set after that token, the later keys marked
+        invalid (``first_slot``: the host's count of the slot the step started at)."""
+        T = verified.hidden.shape[1]
+        if keep >= T - 1:
+            return
+        for i, saved in verified.conv.items():
+            self.conv[i].copy_(saved[keep])
+            self.recurrent[i].copy_(verified.recurrent[i][keep])
+        self.slot.copy_(verified.slot + keep + 1)
+        self.positions.copy_(verified.positions + keep + 1)
+        self.key_valid[:, first_slot + keep + 1 : first_slot + T] = False
+
     # -- driving it --------------------------------------------------------------------------------------------------
 
     def decode(self, text_model, use_graph: bool, head: nn.Linear | None = None) -> torch.Tensor:
@@ -315,6 +420,18 @@ class DecodeState:
         self.graph_weights, self.graph_head = WeightsSnapshot(*roots), head
         self.graph.replay()
         return self.graph_out
+
+
+class Verified(NamedTuple):
+    """What :meth:`DecodeState.verify` returns: the final-norm hidden states [B, T, hidden], the slot [1] and
+    positions [3, B, 1] the step started at, and per linear-attention layer the conv / recurrent state after each of
+    the first T - 1 tokens."""
+
+    hidden: torch.Tensor
+    slot: torch.Tensor
+    positions: torch.Tensor
+    conv: dict
+    recurrent: dict
 
 
 def stock_cache_from_state(text_model, state: "DecodeState", pad: int, length: int | None = None) -> DynamicCache:

@@ -75,6 +75,7 @@ KERNEL_OPS = (
     "sigmoid_gate_mul",
     "swiglu",
     "small_linear",
+    "causal_conv1d_step",
     "gated_delta_rule_step",
     "deltanet_prep",
     "gated_rms_norm",

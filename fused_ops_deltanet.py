@@ -208,16 +208,22 @@ def causal_conv1d_step(
 
 
 def causal_conv1d_step_ref(
-    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain-torch `causal_conv1d_step` (conv_state updated in place), rounding as stock `causal_conv1d_update`."""
+    """Plain-torch `causal_conv1d_step` (conv_state updated in place, `out` written and returned when given),
+    rounding as stock `causal_conv1d_update`."""
     # stock: the window cast to the weight dtype is both the conv input and the new state
     window = torch.cat([conv_state[:, :, 1:].to(weight.dtype), x[:, :, None].to(weight.dtype)], dim=-1)  # [B, D, W]
     conv_state.copy_(window)
     y = (window.float() * weight.float()).sum(-1)  # [B, D], fp32 accumulation as conv1d's
     if bias is not None:
         y = y + bias.float()
-    return torch.nn.functional.silu(y.to(weight.dtype)).to(x.dtype)
+    y = torch.nn.functional.silu(y.to(weight.dtype)).to(x.dtype)
+    return out.copy_(y) if out is not None else y
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -106,6 +106,14 @@ from .fused_moe import FUSED_MOE_OPS, FusedMoeDecoderLayer
 from .fused_mtp import MTP_PREFIX, Qwen3_5MultiTokenPredictor, mtp_layer_count
 from .fused_plan import LAYER_KINDS, MOE_LAYER_KINDS, FusedPlan, announce, announced
 from .fused_runner import FusedRunner
+from .fused_speculative import (
+    CALL_SPECULATIVE_TOKENS,
+    DEFAULT_SPECULATIVE_TOKENS,
+    SPECULATIVE_TOKENS_FIELD,
+    check_speculative_tokens,
+    speculation_blocker,
+    speculative_sample,
+)
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -264,11 +272,33 @@ class _FusedPreTrainedMixin:
         return None
 
     def generate(self, *args, **kwargs):
-        # a fused generate uses the model's shared decode buffers and graphs: one call at a time per model
-        if self.fused_plan.decode_reason is None:
-            with self._text_model().runner.lock:
-                return with_stock_cache(super().generate(*args, **kwargs), self._text_model())
-        return super().generate(*args, **kwargs)
+        # the per-call switch: taken here, so stock's model-kwargs check never sees it
+        call_k = check_speculative_tokens(kwargs.pop(SPECULATIVE_TOKENS_FIELD, None), "generate() argument")
+        token = CALL_SPECULATIVE_TOKENS.set(call_k)
+        try:
+            # a fused generate uses the model's shared decode buffers and graphs: one call at a time per model
+            if self.fused_plan.decode_reason is None:
+                with self._text_model().runner.lock:
+                    return with_stock_cache(super().generate(*args, **kwargs), self._text_model())
+            return super().generate(*args, **kwargs)
+        finally:
+            CALL_SPECULATIVE_TOKENS.reset(token)
+
+    def speculative_tokens(self, generation_config=None) -> int:
+        """How many tokens the MTP head drafts a round in a fused ``generate`` (0: off), first of: the call's
+        ``mtp_speculative_tokens=`` argument, the field of that name on ``generation_config``, on the model's config
+        (or its text config); else ``DEFAULT_SPECULATIVE_TOKENS`` on a GPU and 0 on CPU. 0 without an MTP head."""
+        if getattr(self, "mtp", None) is None:
+            return 0
+        config = self.config
+        for value, where in ((CALL_SPECULATIVE_TOKENS.get(), "generate() argument"),
+                             (getattr(generation_config, SPECULATIVE_TOKENS_FIELD, None), "generation config"),
+                             (getattr(config, SPECULATIVE_TOKENS_FIELD, None), "config"),
+                             (getattr(config.get_text_config(), SPECULATIVE_TOKENS_FIELD, None), "text config")):
+            value = check_speculative_tokens(value, where)
+            if value is not None:
+                return value
+        return DEFAULT_SPECULATIVE_TOKENS if self.fused_plan.device.type == "cuda" else 0
 
     def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None,
                        record_timestamps: bool = False, progress_bar: bool = False, persistent_manager: bool = False,
@@ -316,6 +346,18 @@ class _FusedPreTrainedMixin:
             cache = a["model_kwargs"].get(GENERATE_CACHE_KW)
             if isinstance(cache, FusedDecodeCache) and not a["synced_gpus"] and cache.get_seq_length() == 0:
                 text_model = self._text_model()
+                k = self.speculative_tokens(a["generation_config"])
+                if k:
+                    reason = speculation_blocker(cache, a["input_ids"], a["model_kwargs"])
+                    if reason is None:
+                        announce(f"mtp/speculative/{k}", f"Qwen3.5 fused: generate() decodes speculatively: the MTP "
+                                 f"head drafts {k} token(s) a round, one fused verify pass over {k + 1} checks them "
+                                 f"({SPECULATIVE_TOKENS_FIELD}; 0 turns it off).")
+                        return speculative_sample(self, text_model, cache, k, a["input_ids"], a["logits_processor"],
+                                                  a["stopping_criteria"], a["generation_config"], a["streamer"],
+                                                  a["model_kwargs"])
+                    announce(f"mtp/speculative-off/{reason}", "Qwen3.5 fused: generate() decodes without the MTP "
+                             f"head's drafts because {reason}.")
                 return fused_sample(self, text_model, text_model.runner, cache, a["input_ids"],
                                     a["logits_processor"], a["stopping_criteria"], a["generation_config"],
                                     a["streamer"], a["model_kwargs"])
@@ -327,8 +369,24 @@ class _FusedPreTrainedMixin:
         head = getattr(self, "mtp", None)
         if head is None:
             return None
+        k = self.speculative_tokens()
+        plan = self.fused_plan
+        reason = (plan.decode_reason if plan.decode_reason is not None
+                  else None if k else f"{SPECULATIVE_TOKENS_FIELD} is 0 (the default on CPU)")
         return {"layers": len(head.layers), "keys": MTP_PREFIX + "*",
-                "path": "stock layers, plain torch (mtp_draft(); generate does not use it)"}
+                "path": "stock layers, plain torch (mtp_draft(); the drafts of a speculative generate())",
+                "speculative": {
+                    "tokens": k if reason is None else 0,
+                    "path": ("generate() drafts k tokens a round with the head (chained on its own hidden state), "
+                             "verifies them in one fused pass over k + 1 tokens (each linear once over the rows, the "
+                             "DeltaNet / attention steps token by token, the state after each token kept for the "
+                             "rollback) and emits the accepted prefix plus the model's next token; greedy: the "
+                             "non-speculative tokens, sampling: standard speculative sampling"
+                             if reason is None else "off"),
+                    "falls_back": "batch > 1, a padded prompt, inputs_embeds, a model split over devices "
+                                  "(non-speculative fused decode, said once)",
+                    "reason": reason,
+                }}
 
     def _refresh_fused(self) -> None:
         _sync_switches(self.config)
@@ -513,8 +571,8 @@ class _FusedMTPMixin:
     has it: the head is built with the model, and dropped before the load reads a tensor when the checkpoint holds no
     ``mtp.*`` key (a checkpoint without the head then loads exactly as before: no missing key). Saves write it back
     under the same keys. Stock classes ignore those keys at load (their ``_keys_to_ignore_on_load_unexpected``), so a
-    repo with the head still loads as stock without remote code. The forward and ``generate`` do not run it;
-    :meth:`mtp_draft` does.
+    repo with the head still loads as stock without remote code. The forward does not run it; a fused ``generate``
+    drafts with it (``fused_speculative``, ``speculative_tokens``), and :meth:`mtp_draft` runs it directly.
     """
 
     def _build_mtp(self, config) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import fused_on_cpu, generate_mod, modeling  # noqa: F401 - fused_on_cpu: the fixture
-from scripts import ab_decode, benchmark_latency, eval_quality, generate
+from scripts import ab_decode, benchmark_latency, benchmark_speculative, eval_quality, generate
 from scripts.common import import_module
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,6 +39,20 @@ def test_benchmark_runs_on_cpu(tmp_path):
     assert (tmp_path / "latency.png").stat().st_size > 1000
     md = (tmp_path / "results.md").read_text()
     assert "| tiny | 16 |" in md and results["meta"]["command"].startswith("python scripts/benchmark_latency.py")
+
+
+def test_benchmark_speculative_runs_on_cpu(tmp_path, fused_on_cpu):
+    """The tiny config through the CPU emulation (the script checks that every speculative run's greedy tokens are
+    the non-speculative ones); fields only, no timing (wall times of a few tokens on a busy CPU are noise)."""
+    results = benchmark_speculative.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--new-tokens", "6",
+                                          "--repeats", "1", "--k", "1,3", "--acceptance", "0,1", "--out",
+                                          str(tmp_path)])
+    tiny = results["models"]["tiny"]
+    assert set(tiny["speculative"]) == {"k1-a0.0", "k1-a1.0", "k3-a0.0", "k3-a1.0"}
+    assert tiny["speculative"]["k3-a0.0"]["acceptance"] == 0 and tiny["speculative"]["k3-a1.0"]["acceptance"] == 1
+    assert tiny["speculative"]["k3-a1.0"]["tokens_per_round"] > tiny["speculative"]["k1-a1.0"]["tokens_per_round"]
+    assert math.isfinite(tiny["plain"]["ms_per_token"]) and tiny["floor_ms"] is None  # no bandwidth on CPU
+    assert "| tiny | 3 | 1.0 |" in (tmp_path / "speculative.md").read_text()
 
 
 def test_benchmark_reads_the_issue_targets_from_its_rows():

@@ -1,0 +1,268 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
+"""Self-speculative ``generate``: the MTP head (``fused_mtp``) drafts k tokens, the fused model verifies them in one
+pass over k + 1 tokens, and the longest accepted prefix plus the model's own next token are emitted.
+
+One round, with ``x`` the last chosen token (not yet fed to the backbone)::
+
+    d_1 .. d_k = MTP chain from (h, x)           # the head's own draft hidden state + drafted token feed the next draft
+    h_0 .. h_k, p_0 .. p_k = verify([x, d_1 .. d_k])   # DecodeState.verify: one pass, per-token states kept aside
+    n = accepted drafts                          # greedy: d_i == argmax p_{i-1}; sampling: r < min(1, p(d) / q(d))
+    emit d_1 .. d_n, then argmax / a sample of p_n (sampling, after a rejection: of norm(max(p_n - q_{n+1}, 0)))
+    roll the backbone back to after x, d_1 .. d_n (DecodeState.rollback: saved states copied back)
+
+The sampling rule is the standard one (Leviathan et al. 2023; transformers' ``_speculative_sampling``), so every
+emitted token is distributed as the model's own ``p`` after the logits processors; greedy emits exactly the tokens
+of the non-speculative loop.
+
+State rollback: the verify pass keeps the DeltaNet conv and recurrent state after each of its first k tokens (k + 1
+copies of a few MB at most, for k <= 3); a partial acceptance copies the one it needs back, and the K/V written for
+rejected tokens are masked and overwritten later. Nothing is recomputed, where a snapshot-and-replay rollback would
+run the accepted tokens a second time.
+
+The head's KV cache (a ``DynamicCache``) holds only positions whose inputs are true: the backbone's hidden state at
+t and the emitted token t + 1. Each round first feeds it the pairs the last round confirmed (after the prompt: the
+whole prompt), whose last row gives the first draft; the chained steps' entries are cropped off after drafting.
+
+Stopping criteria, EOS, ``max_new_tokens`` (a round drafts at most what is left minus one), streamers, scores and
+the returned cache are as in ``fused_generate.fused_sample``: the tokens of a round are checked one by one (one
+host read per round) and nothing after a stop is emitted, streamed or left in the cache.
+"""
+
+import contextlib
+import contextvars
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import DynamicCache
+
+from .fused_compat import GENERATE_OUTPUT_CACHE_FIELD, GenerateDecoderOnlyOutput, run_prefill
+from .fused_decode import FusedDecodeCache
+from .fused_generate import stop_rows
+
+SPECULATIVE_TOKENS_FIELD = "mtp_speculative_tokens"  # the config / generation-config field and generate() argument
+# Drafted tokens a round when neither the call nor the config says (on a GPU; 0 on CPU, where the fused path is only
+# the tests' emulation). 2, as vLLM's and SGLang's Qwen3-Next / Qwen3.5 MTP examples set num_speculative_tokens.
+DEFAULT_SPECULATIVE_TOKENS = 2
+# `generate(..., mtp_speculative_tokens=k)` for the call in progress (None: not given): the model's generate takes the
+# argument (stock's model-kwargs check would refuse it) and its `_sample` hook reads it.
+CALL_SPECULATIVE_TOKENS: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_mtp_tokens", default=None)
+
+
+def check_speculative_tokens(value, where: str) -> int | None:
+    """``value`` as the number of drafted tokens (None: unset); ``ValueError`` naming ``where`` unless an int >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{SPECULATIVE_TOKENS_FIELD} ({where}) must be an int >= 0 (0 turns speculative decoding "
+                         f"off), got {value!r}")
+    return value
+
+
+def speculation_blocker(cache: FusedDecodeCache, input_ids, model_kwargs) -> str | None:
+    """None when a fused ``generate`` on ``cache`` can decode speculatively, else why not."""
+    if cache._state.batch != 1:
+        return f"the batch has {cache._state.batch} rows (speculative decoding runs one row)"
+    if cache._state.multi_device:
+        return "the model is split over several devices"
+    if model_kwargs.get("inputs_embeds") is not None or input_ids.shape[1] == 0:
+        return "the prompt came as inputs_embeds (the MTP head needs its tokens)"
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        return "the prompt is padded"
+    return None
+
+
+# A benchmark's hook on the drafts: fn(drafts [B, k], input_ids) -> drafts, applied after the head has drafted and
+# before the verify step (so the work done is the same), to set the acceptance rate (scripts/benchmark_speculative.py).
+_DRAFT_OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_draft_override", default=None)
+
+
+# Where the speculative loop reports each round's (drafted, accepted) counts, when a caller listens (tests, the
+# benchmark): a list, appended to on the host (the counts are read there anyway).
+_ROUNDS: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_speculative_rounds", default=None)
+
+
+@contextlib.contextmanager
+def record_rounds():
+    """Inside the block, the list of ``(drafted, accepted)`` per verify round of the speculative ``generate`` calls
+    made in it (the prompt's round not counted)."""
+    rounds = []
+    token = _ROUNDS.set(rounds)
+    try:
+        yield rounds
+    finally:
+        _ROUNDS.reset(token)
+
+
+@contextlib.contextmanager
+def override_drafts(fn):
+    """Inside the block, the speculative loop's drafts go through ``fn(drafts, input_ids)`` before verification."""
+    token = _DRAFT_OVERRIDE.set(fn)
+    try:
+        yield
+    finally:
+        _DRAFT_OVERRIDE.reset(token)
+
+
+def verify_logits(model, text_model, cache: FusedDecodeCache, tokens: torch.Tensor):
+    """The verify pass over ``tokens`` [B, T] on ``cache``: ``(logits [B, T, vocab] in the model's dtype, the
+    ``Verified`` record)``. The LM head runs over the T rows through ``small_linear`` when it is a plain bias-free
+    ``nn.Linear`` in the hidden state's dtype (as ``fused_generate.step_logits``), else as it is."""
+    st = cache._buffers()
+    if cache._seq_len + cache._pad + tokens.shape[1] > st.max_len:
+        raise ValueError(f"The fused decode cache holds {st.max_len} tokens; a verify step of {tokens.shape[1]} "
+                         f"after {cache._seq_len + cache._pad} does not fit.")
+    verified = st.verify(text_model, tokens.to(st.device))
+    hidden = verified.hidden
+    head = model.lm_head
+    weight = getattr(head, "weight", None)
+    plain = type(head) is nn.Linear and head.bias is None
+    if plain and weight.dtype == hidden.dtype and weight.device == hidden.device:
+        B, T = tokens.shape
+        logits = st.ops.small_linear(hidden.reshape(B * T, -1), weight).view(B, T, -1)
+    else:
+        logits = head(hidden)
+    return logits, verified
+
+
+def _draft(model, mtp_cache: DynamicCache, pending_hidden, pending_tokens, k: int, input_ids, logits_processor,
+           do_sample: bool):
+    """k chained drafts from the head: ``(drafts [B, k], q [B, k, vocab] float32 or None)``, q the distributions
+    the drafts were sampled from (sampling only). The head's cache ends holding the pending (true) pairs only."""
+    layers = len(model.mtp.layers)
+    logits, draft_hidden = model.mtp_draft(pending_hidden, pending_tokens, cache=mtp_cache)
+    kept = [layer.get_seq_length() for layer in mtp_cache.layers]  # the true pairs; chained entries go after drafting
+    logits, draft_hidden = logits[:, -1], draft_hidden[:, -1:]
+    drafts, qs = [], []
+    for j in range(k):
+        if j:
+            logits, draft_hidden = model.mtp_draft(draft_hidden, drafts[-1][:, None], cache=mtp_cache,
+                                                   layer=j % layers)
+            logits = logits[:, -1]
+        ids = torch.cat([input_ids, *(d[:, None] for d in drafts)], dim=-1)
+        scores = logits_processor(ids, logits.float())
+        if do_sample:
+            q = F.softmax(scores, dim=-1)
+            drafts.append(torch.multinomial(q, num_samples=1).squeeze(1))
+            qs.append(q)
+        else:
+            drafts.append(torch.argmax(scores, dim=-1))
+    for i, layer in enumerate(mtp_cache.layers):
+        extra = layer.get_seq_length() - (kept[i] if i < len(kept) else 0)
+        if extra > 0:
+            layer.crop(-extra)
+    return torch.stack(drafts, dim=1), (torch.stack(qs, dim=1) if do_sample else None)
+
+
+def accept(p_scores: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, do_sample: bool):
+    """The speculative acceptance rule for one row. ``p_scores`` [B, T, vocab] float32: the model's processed scores
+    at the T verified positions; ``drafts`` [B, T - 1]; ``q`` [B, T - 1, vocab] the draft distributions (sampling).
+    Returns ``(accepted drafts n (host int), the next token [B])``: greedy, n leading drafts equal the model's
+    argmax and the next token is the argmax after them; sampling, draft i is kept with probability
+    min(1, p(d_i) / q(d_i)), and the next token is sampled from norm(max(p - q, 0)) at the first rejection, from p
+    after all k were kept."""
+    T = p_scores.shape[1]
+    if not do_sample:
+        targets = torch.argmax(p_scores, dim=-1)  # [B, T]
+        n = int((drafts == targets[:, :-1]).long().cumprod(dim=1).sum(dim=1).min()) if T > 1 else 0
+        return n, targets[:, n]
+    p = F.softmax(p_scores, dim=-1)  # [B, T, vocab]
+    n = 0
+    if T > 1:
+        p_d = p[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)  # [B, T - 1]
+        q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
+        kept = torch.rand_like(p_d) * q_d < p_d  # r < p / q, without dividing (q_d > 0: d was drawn from q)
+        n = int(kept.long().cumprod(dim=1).sum(dim=1).min())
+    dist = p[:, n]
+    if n < T - 1:
+        residual = (dist - q[:, n]).clamp(min=0)
+        total = residual.sum(dim=-1, keepdim=True)
+        # total is 0 only where p == q, which no rejection can come from; kept as p against rounding
+        dist = torch.where(total > 0, residual / total.clamp(min=torch.finfo(total.dtype).tiny), dist)
+    return n, torch.multinomial(dist, num_samples=1).squeeze(1)
+
+
+def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input_ids, logits_processor,
+                       stopping_criteria, generation_config, streamer, model_kwargs):
+    """``fused_generate.fused_sample`` with k drafted tokens a round (see the module docstring), for one row;
+    returns what stock ``_sample`` returns."""
+    ret = generation_config.return_dict_in_generate
+    scores = () if ret and generation_config.output_scores else None
+    raw_logits = () if ret and generation_config.output_logits else None
+    do_sample = generation_config.do_sample
+    max_length = getattr(stopping_criteria, "max_length", None)
+    override, rounds = _DRAFT_OVERRIDE.get(), _ROUNDS.get()
+    st = cache._state
+
+    prompt = {}
+
+    def keep_hidden(module, args, out):  # returns None: the output goes on unchanged
+        prompt.setdefault("hidden", out.last_hidden_state)
+
+    hook = text_model.register_forward_hook(keep_hidden)
+    try:
+        outputs = run_prefill(model, input_ids, generation_config, model_kwargs)
+    finally:
+        hook.remove()
+    p_logits = outputs.logits[:, -1:].to(device=input_ids.device)  # [B, 1, vocab]
+    del outputs
+    hidden = prompt["hidden"]  # [B, P, hidden]: the prompt's final-norm hidden states
+    known_next = input_ids[:, 1:]  # the token after each row of `hidden` but the last
+    mtp_cache = DynamicCache()
+    drafts = input_ids[:, :0]
+    q, verified, first_slot = None, None, 0
+    while True:
+        cur = input_ids.shape[1]
+        ids = torch.cat([input_ids, drafts], dim=-1)
+        p_scores = torch.stack([logits_processor(ids[:, : cur + i], p_logits[:, i].to(torch.float32, copy=True))
+                                for i in range(p_logits.shape[1])], dim=1)
+        n, last = accept(p_scores, drafts, q, do_sample)
+        tokens = torch.cat([drafts[:, :n], last[:, None]], dim=-1)  # [B, n + 1]
+        # the tokens one by one through the stopping criteria, read once: nothing after a stop is emitted
+        running, seq = [], input_ids
+        for j in range(n + 1):
+            seq = torch.cat([seq, tokens[:, j : j + 1]], dim=-1)
+            done = stop_rows(stopping_criteria, seq, scores)
+            running.append(torch.ones_like(last, dtype=torch.bool) if done is None else ~done.bool())
+        running = torch.stack(running).all(dim=1).tolist()
+        emitted = running.index(False) + 1 if False in running else n + 1
+        input_ids = seq[:, : cur + emitted]
+        if scores is not None:
+            scores += tuple(p_scores[:, :emitted].unbind(1))
+        if raw_logits is not None:
+            raw_logits += tuple(p_logits[:, :emitted].float().unbind(1))
+        if streamer is not None:
+            for j in range(emitted):
+                streamer.put(tokens[:, j].cpu())
+        if verified is not None and rounds is not None:
+            rounds.append((drafts.shape[1], n))
+        if verified is not None:  # the backbone ends after the emitted tokens but the last, as without drafts
+            st.rollback(verified, emitted - 1, first_slot)
+            cache._seq_len += emitted
+        left = None if max_length is None else max_length - input_ids.shape[1]
+        if False in running or left == 0:
+            break
+        # the head's next pairs: the verified rows the emitted tokens follow (after the prompt: all of it)
+        pending_hidden = hidden[:, : hidden.shape[1] - p_logits.shape[1] + emitted]
+        pending_tokens = torch.cat([known_next, tokens[:, :emitted]], dim=-1)
+        drafts_k = k if left is None else min(k, left - 1)
+        if drafts_k:
+            drafts, q = _draft(model, mtp_cache, pending_hidden, pending_tokens, drafts_k, input_ids,
+                               logits_processor, do_sample)
+            if override is not None:
+                drafts = override(drafts, input_ids)
+        else:
+            drafts, q = input_ids[:, :0], None
+        first_slot = cache._seq_len + cache._pad
+        p_logits, verified = verify_logits(model, text_model, cache, torch.cat([input_ids[:, -1:], drafts], dim=-1))
+        hidden, known_next = verified.hidden, input_ids[:, :0]
+
+    if streamer is not None:
+        streamer.end()
+    if not ret:
+        return input_ids
+    return GenerateDecoderOnlyOutput(
+        sequences=input_ids, scores=scores, logits=raw_logits, attentions=None, hidden_states=None,
+        **{GENERATE_OUTPUT_CACHE_FIELD: cache},
+    )

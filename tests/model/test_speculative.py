@@ -1,0 +1,535 @@
+"""Self-speculative ``generate`` (``fused_speculative``: the MTP head drafts, one fused verify pass checks), on CPU.
+
+- greedy: the tokens of the non-speculative fused loop and of stock, and the returned cache equal to the
+  non-speculative one, for dense and MoE models, k = 1..3, drafts all right, all wrong or mixed (partial rollbacks),
+  a stop (EOS, a custom criterion) inside a round, ``max_new_tokens`` not a multiple of k + 1, a streamer;
+- the head's own cache holds the true pairs only: each round's first draft equals the head run afresh over the
+  sequence so far;
+- sampling: the acceptance rule on synthetic distributions (a chi-square bound a broken rule fails by far), and the
+  shipped model's speculative samples against its non-speculative ones;
+- the switch (config field, generation config field, per-call argument, default off on CPU, no head, batch > 1) and
+  what ``describe()`` and the log say;
+- the shipped checkpoint: greedy equality on held-out prompts, and its head's drafts accepted at the trained rate.
+"""
+
+import contextlib
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from helpers import (  # noqa: F401 - fused_on_cpu: the fixture
+    assert_caches_close,
+    cache_of,
+    configuration,
+    cpu_emulated,
+    fused_on_cpu,
+    generate_stock,
+    import_module,
+    modeling,
+)
+from scripts.common import tiny_moe_text_kwargs, tiny_text_kwargs
+
+spec = import_module("fused_speculative")
+plan_mod = import_module("fused_plan")
+REPO = Path(__file__).resolve().parents[2]
+# The verify pass sums each linear over k + 1 rows, one row at a time without drafts: fp32 rounding order only.
+CACHE_BOUND = 1e-4
+
+
+def _pair(moe: bool = False, seed: int = 0, head: bool = True):
+    """A stock causal LM and a fused one with the same random weights (matrices at std 0.15, so greedy tokens vary),
+    the fused one with a random MTP head."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    kwargs = tiny_moe_text_kwargs(experts_implementation="eager") if moe else tiny_text_kwargs()
+    stock_cls, stock_config = (Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig) if moe else (Qwen3_5ForCausalLM,
+                                                                                         Qwen3_5TextConfig)
+    fused_cls, fused_config = ((modeling.Qwen3_5MoeFusedForCausalLM, configuration.Qwen3_5MoeFusedTextConfig) if moe
+                               else (modeling.Qwen3_5FusedForCausalLM, configuration.Qwen3_5FusedTextConfig))
+    torch.manual_seed(seed)
+    stock = stock_cls(stock_config(**kwargs)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in stock.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    fused = fused_cls(fused_config(**kwargs, fused_kernels=True, mtp_num_hidden_layers=1 if head else 0)).eval()
+    missing, unexpected = fused.load_state_dict(stock.state_dict(), strict=False)
+    assert all(k.startswith("mtp.") for k in missing) and not unexpected
+    if head:
+        with torch.no_grad():
+            for p in fused.mtp.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return stock, fused
+
+
+def _prompt(length: int = 9, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 250, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _oracle(reference: torch.Tensor, hit: float, seed: int = 0, vocab: int = 256):
+    """A draft override: each draft replaced by the reference's token at its position with probability ``hit``, else
+    by a token that differs from it (beyond the reference's end the head's drafts stay)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def override(drafts, input_ids):
+        cur = input_ids.shape[1]
+        want = reference[:, cur : cur + drafts.shape[1]]
+        right = torch.rand(want.shape[1], generator=g) < hit
+        out = drafts.clone()
+        out[:, : want.shape[1]] = torch.where(right, want, (want + 1) % vocab)
+        return out
+
+    return override
+
+
+def _first_divergence(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(a.shape[-1], b.shape[-1])
+    diff = (a[..., :n] != b[..., :n]).flatten().nonzero()
+    return int(diff[0]) if len(diff) else n
+
+
+GREEDY = dict(do_sample=False, return_dict_in_generate=True)
+
+
+# -- greedy: the same tokens and cache --------------------------------------------------------------------------------
+
+
+@cpu_emulated
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_greedy_tokens_and_cache_equal_non_speculative_and_stock(moe, k):
+    """23 new tokens (not a multiple of k + 1): the head's own drafts (random: mostly rejected) and drafts half right
+    (partial acceptances, so rollbacks to every prefix) give the non-speculative tokens, which are stock's, and the
+    same returned cache."""
+    stock, fused = _pair(moe)
+    ids = _prompt()
+    with torch.no_grad():
+        plain = fused.generate(ids, max_new_tokens=23, mtp_speculative_tokens=0, **GREEDY)
+        assert torch.equal(plain.sequences, generate_stock(stock, ids, max_new_tokens=23, do_sample=False))
+        for hit in (None, 0.5):
+            drafts = spec.override_drafts(_oracle(plain.sequences, hit, k)) if hit else contextlib.nullcontext()
+            with spec.record_rounds() as rounds, drafts:
+                out = fused.generate(ids, max_new_tokens=23, mtp_speculative_tokens=k, **GREEDY)
+            assert torch.equal(out.sequences, plain.sequences), hit
+            assert rounds and max(d for d, _ in rounds) == min(k, 22)
+            if hit:  # rounds with none, all and (k > 1) some drafts accepted
+                assert any(n == 0 for _, n in rounds) and any(n == d for d, n in rounds), rounds
+                assert k == 1 or any(0 < n < d for d, n in rounds), rounds
+            got, want = cache_of(out), cache_of(plain)
+            assert got.get_seq_length() == want.get_seq_length() == plain.sequences.shape[1] - 1
+            assert_caches_close(got, want, fused.config.layer_types, CACHE_BOUND)
+
+
+@cpu_emulated
+def test_composite_model_greedy_equal():
+    """The composite (vision-language) class, as real checkpoints load: its text-only generate passes the prompt to
+    the backbone as embeddings with mRoPE positions; drafts half right give the non-speculative tokens."""
+    from helpers import composite_kwargs
+
+    config = configuration.Qwen3_5FusedConfig(**composite_kwargs(mtp_num_hidden_layers=1), fused_kernels=True)
+    torch.manual_seed(0)
+    model = modeling.Qwen3_5FusedForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1 and not name.startswith("model.visual"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    ids = _prompt(seed=9)
+    kwargs = dict(max_new_tokens=17, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        plain = model.generate(ids, mtp_speculative_tokens=0, **kwargs)
+        for k in (1, 3):
+            with spec.record_rounds() as rounds, spec.override_drafts(_oracle(plain, 0.5, k)):
+                out = model.generate(ids, mtp_speculative_tokens=k, **kwargs)
+            assert torch.equal(out, plain) and any(n for _, n in rounds), k
+
+
+@cpu_emulated
+@pytest.mark.parametrize("k", [1, 3])
+def test_acceptance_bookkeeping(k):
+    """Drafts that are the model's own greedy tokens are all accepted (a round emits k + 1 tokens); drafts that
+    differ are all rejected (a round emits the model's one token). The tokens are the same either way."""
+    _, fused = _pair(seed=3)
+    ids = _prompt(seed=3)
+    new = 14
+    with torch.no_grad():
+        plain = fused.generate(ids, max_new_tokens=new, mtp_speculative_tokens=0, eos_token_id=None, **GREEDY)
+        assert plain.sequences.shape[1] == ids.shape[1] + new
+        for hit in (1.0, 0.0):
+            with spec.record_rounds() as rounds, spec.override_drafts(_oracle(plain.sequences, hit)):
+                out = fused.generate(ids, max_new_tokens=new, mtp_speculative_tokens=k, eos_token_id=None, **GREEDY)
+            assert torch.equal(out.sequences, plain.sequences)
+            if hit:
+                assert all(n == d for d, n in rounds) and len(rounds) == math.ceil((new - 1) / (k + 1)), rounds
+            else:
+                assert all(n == 0 for _, n in rounds) and len(rounds) == new - 1, rounds
+
+
+@cpu_emulated
+@pytest.mark.parametrize("new", [1, 2, 3, 5, 6])
+def test_max_new_tokens_is_never_passed(new):
+    """k = 3 with every draft right: a round drafts at most what is left minus one, so exactly ``new`` tokens, the
+    non-speculative ones, whatever ``new`` is against k + 1."""
+    _, fused = _pair(seed=10)
+    ids = _prompt(seed=10)
+    with torch.no_grad():
+        plain = fused.generate(ids, max_new_tokens=new, mtp_speculative_tokens=0, eos_token_id=None, **GREEDY)
+        with spec.record_rounds() as rounds, spec.override_drafts(_oracle(plain.sequences, 1.0)):
+            out = fused.generate(ids, max_new_tokens=new, mtp_speculative_tokens=3, eos_token_id=None, **GREEDY)
+    assert out.sequences.shape[1] == ids.shape[1] + new and torch.equal(out.sequences, plain.sequences)
+    assert sum(n + 1 for _, n in rounds) == new - 1 and all(d <= 3 for d, _ in rounds)
+    assert cache_of(out).get_seq_length() == cache_of(plain).get_seq_length()
+
+
+@cpu_emulated
+def test_prefix_dependent_processors_see_each_positions_prefix():
+    """Repetition penalty and no-repeat n-grams read the tokens before each position: the verify positions are
+    processed with their own prefix (drafts included), so the greedy tokens stay the non-speculative ones."""
+    _, fused = _pair(seed=11)
+    ids = _prompt(seed=11)
+    kwargs = dict(max_new_tokens=20, repetition_penalty=1.5, no_repeat_ngram_size=2, eos_token_id=None, **GREEDY)
+    with torch.no_grad():
+        plain = fused.generate(ids, mtp_speculative_tokens=0, **kwargs)
+        with spec.record_rounds() as rounds, spec.override_drafts(_oracle(plain.sequences, 0.7)):
+            out = fused.generate(ids, mtp_speculative_tokens=3, **kwargs)
+    assert torch.equal(out.sequences, plain.sequences) and any(n > 1 for _, n in rounds)
+
+
+class _StopAtLength(StoppingCriteria):
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+class _Recorder(BaseStreamer):
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@cpu_emulated
+@pytest.mark.parametrize("stop", ["eos", "criterion"])
+def test_a_stop_inside_a_round_ends_as_without_drafts(stop):
+    """With every draft right (k = 3: rounds of 4 tokens), a stop on the 2nd token of a round: nothing after it is
+    emitted, streamed or left in the cache, as without drafts."""
+    _, fused = _pair(seed=1)
+    ids = _prompt(seed=1)
+    with torch.no_grad():
+        reference = fused.generate(ids, max_new_tokens=30, mtp_speculative_tokens=0, eos_token_id=None, **GREEDY)
+    generated = reference.sequences[0, ids.shape[1]:].tolist()
+    # the stop on the 6th new token: the prompt's round gives token 1, rounds of 4 give 2-5 and 6-9
+    at = 5
+    kwargs = dict(max_new_tokens=30, **GREEDY)
+    if stop == "eos":
+        assert generated[at] not in generated[:at]
+        kwargs["eos_token_id"] = generated[at]
+    else:
+        kwargs.update(eos_token_id=None, stopping_criteria=StoppingCriteriaList([_StopAtLength(ids.shape[1] + at + 1)]))
+    runs = {}
+    with torch.no_grad():
+        for k in (0, 3):
+            streamer = _Recorder()
+            with spec.override_drafts(_oracle(reference.sequences, 1.0)):
+                runs[k] = fused.generate(ids, mtp_speculative_tokens=k, streamer=streamer, **kwargs), streamer
+    (plain, plain_stream), (out, out_stream) = runs[0], runs[3]
+    assert plain.sequences.shape[1] == ids.shape[1] + at + 1
+    assert torch.equal(out.sequences, plain.sequences)
+    assert out_stream.puts == plain_stream.puts and out_stream.ended
+    assert cache_of(out).get_seq_length() == cache_of(plain).get_seq_length() == plain.sequences.shape[1] - 1
+    assert_caches_close(cache_of(out), cache_of(plain), fused.config.layer_types, CACHE_BOUND)
+
+
+@cpu_emulated
+def test_scores_and_logits_match_non_speculative():
+    """``output_scores`` / ``output_logits``: one entry per emitted token, the non-speculative ones."""
+    _, fused = _pair(seed=2)
+    ids = _prompt(seed=2)
+    kwargs = dict(max_new_tokens=10, output_scores=True, output_logits=True, **GREEDY)
+    with torch.no_grad():
+        plain = fused.generate(ids, mtp_speculative_tokens=0, **kwargs)
+        with spec.override_drafts(_oracle(plain.sequences, 0.5)):
+            out = fused.generate(ids, mtp_speculative_tokens=2, **kwargs)
+    assert len(out.scores) == len(plain.scores) == len(out.logits) == plain.sequences.shape[1] - ids.shape[1]
+    for got, want in zip(out.scores + out.logits, plain.scores + plain.logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # fp32 rounding order, as CACHE_BOUND
+
+
+@cpu_emulated
+def test_the_heads_cache_holds_the_true_pairs_only():
+    """Each round's first draft equals the head run afresh (no cache) over the sequence so far, its hidden states
+    from the model's forward: what the head's cache holds after crops and confirmations is exactly the true pairs."""
+    _, fused = _pair(seed=4)
+    ids = _prompt(seed=4)
+    seen = []
+
+    def keep(drafts, input_ids):
+        seen.append((input_ids.clone(), drafts.clone()))
+        return drafts
+
+    with torch.no_grad():
+        plain = fused.generate(ids, max_new_tokens=16, mtp_speculative_tokens=0, eos_token_id=None, **GREEDY)
+        mixed = _oracle(plain.sequences, 0.6, seed=1)
+        with spec.override_drafts(lambda d, i: mixed(keep(d, i), i)):
+            fused.generate(ids, max_new_tokens=16, mtp_speculative_tokens=2, eos_token_id=None, **GREEDY)
+        assert len(seen) > 3
+        for input_ids, drafts in seen:
+            hidden = fused.model.stock_forward(input_ids=input_ids[:, :-1]).last_hidden_state
+            logits, _ = fused.mtp_draft(hidden, input_ids[:, 1:])
+            assert int(logits[0, -1].argmax()) == int(drafts[0, 0])
+
+
+# -- sampling: the model's distribution -----------------------------------------------------------------------------
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's goodness-of-fit p-value of ``counts`` [V] against ``probs`` [V] (cells with expectation < 5 pooled)."""
+    n = counts.sum()
+    expected = probs * n
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]) if small.any() else counts
+    exp = torch.cat([expected[~small], expected[small].sum()[None]]) if small.any() else expected
+    keep = exp > 0
+    chi2 = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), chi2.double() / 2))
+
+
+def _broken_accept(p_scores, drafts, q, do_sample):
+    """The rule with its ratio inverted (min(1, q / p)): a plausible bug the test must catch."""
+    p = torch.softmax(p_scores, dim=-1)
+    if p.shape[1] == 1:  # no drafts
+        return 0, torch.multinomial(p[:, 0], 1).squeeze(1)
+    p_d = p[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)
+    q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
+    kept = torch.rand_like(p_d) * p_d < q_d
+    n = int(kept.long().cumprod(dim=1).sum(dim=1).min())
+    dist = p[:, n]
+    if n < p.shape[1] - 1:
+        dist = (dist - q[:, n]).clamp(min=0)
+    return n, torch.multinomial(dist / dist.sum(-1, keepdim=True), 1).squeeze(1)
+
+
+def _emitted_distribution(rule, samples: int = 6000, seed: int = 0):
+    """The first two emitted tokens of ``rule`` over ``samples`` rounds of 2 drafts, on fixed synthetic p_0, p_1, p_2
+    and draft distributions q_1, q_2 over 6 tokens (q far from p). Returns counts [2, 6] and the p's [2, 6]."""
+    g = torch.Generator().manual_seed(seed)
+    V = 6
+    p_scores = torch.randn(1, 3, V, generator=g) * 1.5
+    q = torch.softmax(torch.randn(1, 2, V, generator=g) * 1.5, dim=-1)
+    p = torch.softmax(p_scores, dim=-1)
+    counts = torch.zeros(2, V)
+    torch.manual_seed(seed)
+    for _ in range(samples):
+        drafts = torch.stack([torch.multinomial(q[:, j], 1).squeeze(1) for j in range(2)], dim=1)
+        n, last = rule(p_scores, drafts, q, True)
+        tokens = torch.cat([drafts[:, :n], last[:, None]], dim=1)[0]
+        counts[0, tokens[0]] += 1
+        if len(tokens) > 1:
+            counts[1, tokens[1]] += 1
+    return counts, p[0, :2]
+
+
+def test_speculative_sampling_rule_emits_the_models_distribution():
+    """Token 1 of a round is distributed as p_0, token 2 (when token 1 was an accepted draft) as p_1: chi-square
+    p-values above 1e-4 (a correct rule fails this 1 time in 10,000), while the rule with min(1, q / p) fails it by
+    orders of magnitude (p-value below 1e-12)."""
+    counts, p = _emitted_distribution(spec.accept)
+    for i in range(2):
+        assert _chi2_pvalue(counts[i], p[i]) > 1e-4, (i, counts[i], p[i])
+    broken, p = _emitted_distribution(_broken_accept)
+    assert min(_chi2_pvalue(broken[i], p[i]) for i in range(2)) < 1e-12
+
+
+def test_greedy_rule():
+    p_scores = torch.tensor([[[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]]])
+    assert [(n, int(t)) for n, t in [spec.accept(p_scores, torch.tensor([[1, 0]]), None, False)]] == [(2, 2)]
+    assert [(n, int(t)) for n, t in [spec.accept(p_scores, torch.tensor([[1, 2]]), None, False)]] == [(1, 0)]
+    assert [(n, int(t)) for n, t in [spec.accept(p_scores, torch.tensor([[0, 0]]), None, False)]] == [(0, 1)]
+
+
+# -- the switch -------------------------------------------------------------------------------------------------------
+
+
+@cpu_emulated
+def test_the_switch():
+    """Default on CPU: off. The config field sets k (0: off); a generation-config field and the per-call argument
+    override it, the argument first; a bad value is refused; describe() and one log line say what runs."""
+    _, fused = _pair(seed=5)
+    ids = _prompt(seed=5)
+    kwargs = dict(max_new_tokens=6, do_sample=False)
+
+    def drafted(**call):
+        with spec.record_rounds() as rounds, torch.no_grad():
+            fused.generate(ids, **kwargs, **call)
+        return max((d for d, _ in rounds), default=0)
+
+    assert fused.speculative_tokens() == 0 and drafted() == 0
+    assert fused.describe()["mtp"]["speculative"]["tokens"] == 0
+    assert "CPU" in fused.describe()["mtp"]["speculative"]["reason"]
+    assert drafted(mtp_speculative_tokens=2) == 2
+    assert "mtp/speculative/2" in plan_mod.announced()
+    fused.config.mtp_speculative_tokens = 3
+    assert drafted() == 3 and fused.describe()["mtp"]["speculative"]["tokens"] == 3
+    assert drafted(mtp_speculative_tokens=1) == 1 and drafted(mtp_speculative_tokens=0) == 0
+    assert drafted(generation_config=GenerationConfig(**kwargs, mtp_speculative_tokens=2)) == 2
+    fused.config.mtp_speculative_tokens = 0
+    assert drafted() == 0 and fused.describe()["mtp"]["speculative"]["reason"].startswith("mtp_speculative_tokens")
+    with pytest.raises(ValueError, match="mtp_speculative_tokens"):
+        fused.generate(ids, mtp_speculative_tokens=-1, **kwargs)
+
+
+@cpu_emulated
+def test_no_head_no_speculation():
+    """A model without a head (mtp_num_hidden_layers 0, or a checkpoint without mtp.*) never drafts, whatever k."""
+    _, fused = _pair(seed=6, head=False)
+    ids = _prompt(seed=6)
+    assert fused.mtp is None and fused.describe()["mtp"] is None
+    with spec.record_rounds() as rounds, torch.no_grad():
+        out = fused.generate(ids, max_new_tokens=5, do_sample=False, mtp_speculative_tokens=2)
+    assert not rounds and out.shape[1] == ids.shape[1] + 5
+
+
+@cpu_emulated
+def test_batch_of_two_decodes_without_drafts_said_once():
+    """Batch > 1: the non-speculative fused loop, the same tokens, one log line."""
+    _, fused = _pair(seed=7)
+    ids = torch.cat([_prompt(seed=7), _prompt(seed=8)])
+    with torch.no_grad():
+        plain = fused.generate(ids, max_new_tokens=6, do_sample=False, mtp_speculative_tokens=0)
+        with spec.record_rounds() as rounds:
+            out = fused.generate(ids, max_new_tokens=6, do_sample=False, mtp_speculative_tokens=2)
+    assert not rounds and torch.equal(out, plain)
+    assert any(key.startswith("mtp/speculative-off/the batch has 2 rows") for key in plan_mod.announced())
+
+
+# -- the shipped checkpoint -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shipped(fused_on_cpu):
+    from transformers import AutoTokenizer
+
+    config = configuration.Qwen3_5FusedConfig.from_pretrained(str(REPO))
+    model = modeling.Qwen3_5FusedForCausalLMLoader.from_pretrained(str(REPO), config=config, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(str(REPO))
+
+
+def _heldout_prompts(tokenizer, count: int = 3, length: int = 24) -> list[torch.Tensor]:
+    text = (REPO / "data" / "heldout.txt").read_text(encoding="utf-8")
+    ids = tokenizer(text[:20000], return_tensors="pt").input_ids
+    step = ids.shape[1] // count
+    return [ids[:, i * step : i * step + length] for i in range(count)]
+
+
+def test_shipped_checkpoint_greedy_equal_and_drafts_accepted(shipped):
+    """Held-out prompts, 40 new tokens, k = 1..3: the non-speculative fused tokens, which are stock's; the trained
+    head's drafts accepted at a rate near the trained one (training_report.json: 60.6% at T=0, first draft)."""
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = shipped
+    stock = AutoModelForCausalLM.from_pretrained(str(REPO), dtype=torch.float32)
+    accepted = drafted = 0
+    with torch.no_grad():
+        for ids in _heldout_prompts(tokenizer):
+            plain = model.generate(ids, max_new_tokens=40, do_sample=False, mtp_speculative_tokens=0)
+            assert torch.equal(plain, generate_stock(stock, ids, max_new_tokens=40, do_sample=False))
+            for k in (1, 2, 3):
+                with spec.record_rounds() as rounds:
+                    out = model.generate(ids, max_new_tokens=40, do_sample=False, mtp_speculative_tokens=k)
+                assert torch.equal(out, plain), k
+                if k == 1:
+                    accepted += sum(n for _, n in rounds)
+                    drafted += sum(d for d, _ in rounds)
+    assert 0.35 < accepted / drafted, (accepted, drafted)
+
+
+@pytest.mark.slow
+def test_shipped_checkpoint_sampling_distribution(shipped):
+    """Sampling (top_k=3, temperature 1.5), 4 new tokens: the joint distribution of new tokens 2-3 (drafted by the
+    head with k = 2 and verified) from 400 speculative runs against 400 non-speculative ones, one seed each: a
+    two-sample chi-square p-value above 1e-4. Also the run count where the head's drafts were accepted (both paths
+    of the rule taken)."""
+    model, tokenizer = shipped
+    ids = _heldout_prompts(tokenizer, count=1)[0]
+    runs = 400
+    kwargs = dict(max_new_tokens=4, do_sample=True, top_k=3, temperature=1.5)
+    samples = {}
+    with torch.no_grad():
+        for k in (0, 2):
+            with spec.record_rounds() as rounds:
+                outs = []
+                for seed in range(runs):
+                    torch.manual_seed(10_000 * k + seed)
+                    outs.append(tuple(model.generate(ids, mtp_speculative_tokens=k, **kwargs)[0, -3:-1].tolist()))
+            samples[k] = outs
+            if k:
+                assert 0 < sum(n for _, n in rounds) < sum(d for d, _ in rounds)
+    cells = sorted(set(samples[0]) | set(samples[2]))
+    a = torch.tensor([samples[0].count(c) for c in cells], dtype=torch.float64)
+    b = torch.tensor([samples[2].count(c) for c in cells], dtype=torch.float64)
+    pooled = (a + b) / (2 * runs)
+    # two samples of equal size: chi2 = sum (a - b)^2 / (a + b), df = cells - 1 (cells pooled below 5 expected)
+    small = pooled * runs < 5
+    if small.any():
+        a = torch.cat([a[~small], a[small].sum()[None]])
+        b = torch.cat([b[~small], b[small].sum()[None]])
+    chi2 = ((a - b) ** 2 / (a + b)).sum()
+    pvalue = float(torch.special.gammaincc(torch.tensor((len(a) - 1) / 2, dtype=torch.float64), chi2 / 2))
+    assert pvalue > 1e-4, (pvalue, cells, a, b)
+
+
+# -- on the GPU (run with `python -m pytest -m cuda`) ------------------------------------------------------------------
+
+
+def _shipped_on_gpu(dtype):
+    config = configuration.Qwen3_5FusedConfig.from_pretrained(str(REPO))
+    model = modeling.Qwen3_5FusedForCausalLMLoader.from_pretrained(str(REPO), config=config, dtype=dtype)
+    return model.to("cuda").eval()
+
+
+@pytest.mark.cuda
+def test_gpu_greedy_fp32_equal_non_speculative():
+    """The real kernels (verify pass included) in fp32: speculative greedy tokens equal the non-speculative ones,
+    and the default (no argument) drafts on a GPU."""
+    from transformers import AutoTokenizer
+
+    model = _shipped_on_gpu(torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(REPO))
+    assert model.speculative_tokens() > 0
+    with torch.no_grad():
+        for ids in _heldout_prompts(tokenizer):
+            ids = ids.cuda()
+            plain = model.generate(ids, max_new_tokens=64, do_sample=False, mtp_speculative_tokens=0)
+            for k in (1, 2, 3):
+                assert torch.equal(model.generate(ids, max_new_tokens=64, do_sample=False, mtp_speculative_tokens=k),
+                                   plain), k
+
+
+@pytest.mark.cuda
+def test_gpu_greedy_bf16_diverges_no_earlier_than_non_speculative():
+    """bf16: against the fp32 non-speculative tokens, the speculative bf16 tokens diverge no earlier than the
+    non-speculative bf16 ones (the verify pass rounds as the step does, up to GEMM order)."""
+    from transformers import AutoTokenizer
+
+    reference_model = _shipped_on_gpu(torch.float32)
+    model = _shipped_on_gpu(torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(str(REPO))
+    with torch.no_grad():
+        for ids in _heldout_prompts(tokenizer):
+            ids = ids.cuda()
+            reference = reference_model.generate(ids, max_new_tokens=64, do_sample=False, mtp_speculative_tokens=0)
+            plain = model.generate(ids, max_new_tokens=64, do_sample=False, mtp_speculative_tokens=0)
+            out = model.generate(ids, max_new_tokens=64, do_sample=False, mtp_speculative_tokens=2)
+            assert _first_divergence(out, reference) >= _first_divergence(plain, reference)
