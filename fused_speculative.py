@@ -41,9 +41,11 @@ from .fused_decode import FusedDecodeCache
 from .fused_generate import stop_rows
 
 SPECULATIVE_TOKENS_FIELD = "mtp_speculative_tokens"  # the config / generation-config field and generate() argument
-# Drafted tokens a round when neither the call nor the config says (on a GPU; 0 on CPU, where the fused path is only
-# the tests' emulation). 2, as vLLM's and SGLang's Qwen3-Next / Qwen3.5 MTP examples set num_speculative_tokens.
-DEFAULT_SPECULATIVE_TOKENS = 2
+# Drafted tokens a round when neither the call nor the config says, on a GPU (0 on CPU, where the fused path is only
+# the tests' emulation). 0: speculation is opt-in until the H200 runs its CUDA tests and measures it faster for the
+# call shape (the verify pass and the head run eagerly, beside a decode step that is one CUDA graph); then 2, as
+# vLLM's and SGLang's Qwen3-Next / Qwen3.5 MTP examples set num_speculative_tokens.
+DEFAULT_SPECULATIVE_TOKENS = 0
 # `generate(..., mtp_speculative_tokens=k)` for the call in progress (None: not given): the model's generate takes the
 # argument (stock's model-kwargs check would refuse it) and its `_sample` hook reads it.
 CALL_SPECULATIVE_TOKENS: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_mtp_tokens", default=None)

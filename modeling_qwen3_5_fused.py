@@ -372,7 +372,7 @@ class _FusedPreTrainedMixin:
         k = self.speculative_tokens()
         plan = self.fused_plan
         reason = (plan.decode_reason if plan.decode_reason is not None
-                  else None if k else f"{SPECULATIVE_TOKENS_FIELD} is 0 (the default on CPU)")
+                  else None if k else f"{SPECULATIVE_TOKENS_FIELD} is 0 (the default: opt-in until measured on a GPU)")
         return {"layers": len(head.layers), "keys": MTP_PREFIX + "*",
                 "path": "stock layers, plain torch (mtp_draft(); the drafts of a speculative generate())",
                 "speculative": {

@@ -1,12 +1,11 @@
 """Many requests at once (issue 46): stock ``generate`` and fused ``generate`` in padded static batches, against the
 fused ``generate_batch`` (continuous batching), on one seeded workload, in one process.
 
-    # the issue's workload at 4B (random weights at the real shape); stock on a subset of 64 requests; the fused
-    # scheduler switched on for the run (fused_batch.FUSED_ON_GPU, off until its CUDA tests have passed on a GPU)
-    python scripts/benchmark_batch.py --model 4b --requests 512 --stock-requests 64 --fused-on-gpu --out out/batch
+    # the issue's workload at 4B (random weights at the real shape); stock on a subset of 64 requests
+    python scripts/benchmark_batch.py --model 4b --requests 512 --stock-requests 64 --out out/batch
     # 9B, 35B-A3B
-    python scripts/benchmark_batch.py --model 9b --requests 512 --stock-requests 64 --fused-on-gpu
-    python scripts/benchmark_batch.py --model 35b-a3b --requests 512 --stock-requests 32 --fused-on-gpu
+    python scripts/benchmark_batch.py --model 9b --requests 512 --stock-requests 64
+    python scripts/benchmark_batch.py --model 35b-a3b --requests 512 --stock-requests 32
     # CPU smoke run (what CI runs): tiny config, a few requests
     python scripts/benchmark_batch.py --device cpu --tiny --requests 8
 
@@ -192,8 +191,7 @@ def to_markdown(r: dict) -> str:
     lines = [f"# generate_batch benchmark: {r['model']} ({r['dtype']}, {r['device']})", "",
              f"{r['requests']} requests, prompts {r['prompt_range'][0]}-{r['prompt_range'][1]} tokens, "
              f"{r['new_range'][0]}-{r['new_range'][1]} new (seed {r['seed']}); static batches of {r['batch']}; "
-             f"generate_batch: {r['rows']} rows, prefill_chunk {r['prefill_chunk']}, path: {r['batch_path']}"
-             + (" (switched on for this run: --fused-on-gpu)." if r["fused_on_gpu_forced"] else "."),
+             f"generate_batch: {r['rows']} rows, prefill_chunk {r['prefill_chunk']}, path: {r['batch_path']}.",
              f"Stock ran the first {r['stock_requests']} requests only (a subset): the rows marked 'subset' compare "
              "the same requests.", "",
              "| run | requests | output tok/s | TTFT p50 / p99 ms | per-token p50 / p99 ms |", "|---|---|---|---|---|"]
@@ -238,14 +236,11 @@ def run(args) -> dict:
     tokens = sum(n for _, n in requests)
     sub_tokens = sum(n for _, n in subset)
     batch_mod = import_module("fused_batch")
-    if args.fused_on_gpu:
-        batch_mod.FUSED_ON_GPU = True
     blocker = batch_mod.batch_blocker(fused, fused.generation_config)
     results = {"model": shape, "dtype": args.dtype, "device": str(device), "requests": len(requests),
                "stock_requests": len(subset), "prompt_range": prompt_range, "new_range": new_range, "seed": args.seed,
                "batch": args.batch, "rows": args.rows, "prefill_chunk": args.prefill_chunk,
                "batch_path": "fused scheduler" if blocker is None else f"generate per request ({blocker})",
-               "fused_on_gpu_forced": bool(args.fused_on_gpu),
                "runs": {}, "ratios": {}, "decode_steps": {}, "failed": []}
     log(f"workload: {len(requests)} requests, {tokens} output tokens; stock on {len(subset)}")
 
@@ -303,8 +298,6 @@ def main(argv=None):
                    help="min,max prompt tokens (default 32,2048; tiny 4,40)")
     p.add_argument("--new-range", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="min,max new tokens (default 16,512; tiny 2,12)")
-    p.add_argument("--fused-on-gpu", action="store_true",
-                   help="serve generate_batch from the fused scheduler on a GPU for this run (fused_batch.FUSED_ON_GPU)")
     p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out/batch"))

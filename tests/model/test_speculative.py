@@ -377,7 +377,7 @@ def test_the_switch():
 
     assert fused.speculative_tokens() == 0 and drafted() == 0
     assert fused.describe()["mtp"]["speculative"]["tokens"] == 0
-    assert "CPU" in fused.describe()["mtp"]["speculative"]["reason"]
+    assert "the default" in fused.describe()["mtp"]["speculative"]["reason"]
     assert drafted(mtp_speculative_tokens=2) == 2
     assert "mtp/speculative/2" in plan_mod.announced()
     fused.config.mtp_speculative_tokens = 3
@@ -501,13 +501,11 @@ def _shipped_on_gpu(dtype):
 
 @pytest.mark.cuda
 def test_gpu_greedy_fp32_equal_non_speculative():
-    """The real kernels (verify pass included) in fp32: speculative greedy tokens equal the non-speculative ones,
-    and the default (no argument) drafts on a GPU."""
+    """The real kernels (verify pass included) in fp32: speculative greedy tokens equal the non-speculative ones."""
     from transformers import AutoTokenizer
 
     model = _shipped_on_gpu(torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(REPO))
-    assert model.speculative_tokens() > 0
     with torch.no_grad():
         for ids in _heldout_prompts(tokenizer):
             ids = ids.cuda()
