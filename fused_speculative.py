@@ -61,6 +61,42 @@ def check_speculative_tokens(value, where: str) -> int | None:
     return value
 
 
+def speculative_tokens(model, generation_config=None) -> int:
+    """How many tokens ``model``'s MTP head drafts a round in a fused ``generate`` (0: off), first of: the call's
+    ``mtp_speculative_tokens=`` argument, the field of that name on ``generation_config``, on the model's config (or
+    its text config); else ``DEFAULT_SPECULATIVE_TOKENS`` on a GPU and 0 on CPU. 0 without an MTP head."""
+    if getattr(model, "mtp", None) is None:
+        return 0
+    config = model.config
+    for value, where in ((CALL_SPECULATIVE_TOKENS.get(), "generate() argument"),
+                         (getattr(generation_config, SPECULATIVE_TOKENS_FIELD, None), "generation config"),
+                         (getattr(config, SPECULATIVE_TOKENS_FIELD, None), "config"),
+                         (getattr(config.get_text_config(), SPECULATIVE_TOKENS_FIELD, None), "text config")):
+        value = check_speculative_tokens(value, where)
+        if value is not None:
+            return value
+    return DEFAULT_SPECULATIVE_TOKENS if model.fused_plan.device.type == "cuda" else 0
+
+
+def describe_speculative(model) -> dict:
+    """``describe()["mtp"]["speculative"]``: the drafts a round, what runs, when it falls back, and why it is off."""
+    k = speculative_tokens(model)
+    plan = model.fused_plan
+    reason = (plan.decode_reason if plan.decode_reason is not None
+              else None if k else f"{SPECULATIVE_TOKENS_FIELD} is 0 (the default: opt-in until measured on a GPU)")
+    return {
+        "tokens": k if reason is None else 0,
+        "path": ("generate() drafts k tokens a round with the head (chained on its own hidden state), verifies them in "
+                 "one fused pass over k + 1 tokens (each linear once over the rows, the DeltaNet / attention steps "
+                 "token by token, the state after each token kept for the rollback) and emits the accepted prefix "
+                 "plus the model's next token; greedy: the non-speculative tokens, sampling: standard speculative "
+                 "sampling" if reason is None else "off"),
+        "falls_back": "batch > 1, a padded prompt, inputs_embeds, a model split over devices (non-speculative fused "
+                      "decode, said once)",
+        "reason": reason,
+    }
+
+
 def speculation_blocker(cache: FusedDecodeCache, input_ids, model_kwargs) -> str | None:
     """None when a fused ``generate`` on ``cache`` can decode speculatively, else why not."""
     if cache._state.batch != 1:

@@ -108,11 +108,12 @@ from .fused_plan import LAYER_KINDS, MOE_LAYER_KINDS, FusedPlan, announce, annou
 from .fused_runner import FusedRunner
 from .fused_speculative import (
     CALL_SPECULATIVE_TOKENS,
-    DEFAULT_SPECULATIVE_TOKENS,
     SPECULATIVE_TOKENS_FIELD,
     check_speculative_tokens,
+    describe_speculative,
     speculation_blocker,
     speculative_sample,
+    speculative_tokens,
 )
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -285,20 +286,9 @@ class _FusedPreTrainedMixin:
             CALL_SPECULATIVE_TOKENS.reset(token)
 
     def speculative_tokens(self, generation_config=None) -> int:
-        """How many tokens the MTP head drafts a round in a fused ``generate`` (0: off), first of: the call's
-        ``mtp_speculative_tokens=`` argument, the field of that name on ``generation_config``, on the model's config
-        (or its text config); else ``DEFAULT_SPECULATIVE_TOKENS`` on a GPU and 0 on CPU. 0 without an MTP head."""
-        if getattr(self, "mtp", None) is None:
-            return 0
-        config = self.config
-        for value, where in ((CALL_SPECULATIVE_TOKENS.get(), "generate() argument"),
-                             (getattr(generation_config, SPECULATIVE_TOKENS_FIELD, None), "generation config"),
-                             (getattr(config, SPECULATIVE_TOKENS_FIELD, None), "config"),
-                             (getattr(config.get_text_config(), SPECULATIVE_TOKENS_FIELD, None), "text config")):
-            value = check_speculative_tokens(value, where)
-            if value is not None:
-                return value
-        return DEFAULT_SPECULATIVE_TOKENS if self.fused_plan.device.type == "cuda" else 0
+        """How many tokens the MTP head drafts a round in a fused ``generate`` (0: off); see
+        ``fused_speculative.speculative_tokens``."""
+        return speculative_tokens(self, generation_config)
 
     def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None,
                        record_timestamps: bool = False, progress_bar: bool = False, persistent_manager: bool = False,
@@ -369,24 +359,9 @@ class _FusedPreTrainedMixin:
         head = getattr(self, "mtp", None)
         if head is None:
             return None
-        k = self.speculative_tokens()
-        plan = self.fused_plan
-        reason = (plan.decode_reason if plan.decode_reason is not None
-                  else None if k else f"{SPECULATIVE_TOKENS_FIELD} is 0 (the default: opt-in until measured on a GPU)")
         return {"layers": len(head.layers), "keys": MTP_PREFIX + "*",
                 "path": "stock layers, plain torch (mtp_draft(); the drafts of a speculative generate())",
-                "speculative": {
-                    "tokens": k if reason is None else 0,
-                    "path": ("generate() drafts k tokens a round with the head (chained on its own hidden state), "
-                             "verifies them in one fused pass over k + 1 tokens (each linear once over the rows, the "
-                             "DeltaNet / attention steps token by token, the state after each token kept for the "
-                             "rollback) and emits the accepted prefix plus the model's next token; greedy: the "
-                             "non-speculative tokens, sampling: standard speculative sampling"
-                             if reason is None else "off"),
-                    "falls_back": "batch > 1, a padded prompt, inputs_embeds, a model split over devices "
-                                  "(non-speculative fused decode, said once)",
-                    "reason": reason,
-                }}
+                "speculative": describe_speculative(self)}
 
     def _refresh_fused(self) -> None:
         _sync_switches(self.config)
