@@ -172,11 +172,17 @@ def fused_sample(model, text_model, runner, cache: FusedDecodeCache, input_ids, 
         scores = scores[:-extra] if scores is not None else None
         raw_logits = raw_logits[:-extra] if raw_logits is not None else None
         cache._overrun = True
+    return finish_generate(input_ids, scores, raw_logits, cache, streamer, ret)
+
+
+def finish_generate(input_ids, scores, raw_logits, cache, streamer, ret: bool):
+    """The end of a fused decode loop: the streamer ended, and the sequences, or (``ret``: a dict output was asked
+    for) transformers' output with the scores / logits and the fused cache. The model's generate() hands the caller
+    stock's DynamicCache, copied out of this one (`with_stock_cache`)."""
     if streamer is not None:
         streamer.end()
     if not ret:
         return input_ids
-    # the model's generate() hands the caller stock's DynamicCache, copied out of this one (`with_stock_cache`)
     return GenerateDecoderOnlyOutput(
         sequences=input_ids, scores=scores, logits=raw_logits, attentions=None, hidden_states=None,
         **{GENERATE_OUTPUT_CACHE_FIELD: cache},

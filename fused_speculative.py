@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
-from .fused_compat import GENERATE_OUTPUT_CACHE_FIELD, GenerateDecoderOnlyOutput, run_prefill
+from .fused_compat import run_prefill
 from .fused_decode import FusedDecodeCache
-from .fused_generate import stop_rows
+from .fused_generate import finish_generate, stop_rows
 
 SPECULATIVE_TOKENS_FIELD = "mtp_speculative_tokens"  # the config / generation-config field and generate() argument
 # Drafted tokens a round when neither the call nor the config says, on a GPU (0 on CPU, where the fused path is only
@@ -296,11 +296,4 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
         p_logits, verified = verify_logits(model, text_model, cache, torch.cat([input_ids[:, -1:], drafts], dim=-1))
         hidden, known_next = verified.hidden, input_ids[:, :0]
 
-    if streamer is not None:
-        streamer.end()
-    if not ret:
-        return input_ids
-    return GenerateDecoderOnlyOutput(
-        sequences=input_ids, scores=scores, logits=raw_logits, attentions=None, hidden_states=None,
-        **{GENERATE_OUTPUT_CACHE_FIELD: cache},
-    )
+    return finish_generate(input_ids, scores, raw_logits, cache, streamer, ret)
