@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+import helpers
 from helpers import plan_mod
 from scripts import fuzz_vs_stock as fuzz
 
@@ -77,24 +78,36 @@ def test_a_config_pool_varies_everything_but_the_config():
     assert len({(c["call"]["kind"], c["call"]["length"], c["dtype"]) for c in cases}) > 20
 
 
-def test_sixteen_bit_tokens_may_part_only_where_the_logits_pass():
-    check = fuzz.Compare({"dtype": "bf16"}, torch.device("cpu"))
+def test_tokens_may_part_only_at_a_near_tie_where_the_logits_pass():
+    """Fused chose 7 where stock chose 8: a failure unless that step's logits pass and 7 is within the rounding at
+    hand of stock's best (so a wrong token from a right forward, a fault in the decode loop, is caught)."""
     got, want = torch.tensor([[5, 6, 7]]), torch.tensor([[5, 6, 8]])
-    close = torch.randn(1, 1, 32)
-    check.tokens("t", got, want, lambda row, pos: (close * 1.001, close, close))
-    assert not check.failures
-    check.tokens("t", got, want, lambda row, pos: (close * 2, close, close))
-    assert check.failures
+    logits = torch.randn(1, 1, 32)
+    tie = logits.clone()
+    tie[0, 0, 8], tie[0, 0, 7] = 6.0, 6.0 - 2e-3  # stock's best two, 2e-3 apart
+    swapped = tie.clone()
+    swapped[0, 0, 7] += 4e-3  # within the bf16 bound of stock's logits, and enough to swap its two best
+    answer = tie.clone()
+    answer[0, 0, 8] -= 3e-3  # stock's own bf16 error: the float32 answer has 7 first
+    far = tie.clone()
+    far[0, 0, 7] = 0.0
+    for dtype, steps, parts in (
+        ("bf16", (swapped, tie, answer), False),  # a near-tie within the rounding
+        ("bf16", (tie * 2, tie, tie), True),  # the logits fail
+        ("bf16", (tie, tie, tie), True),  # the same logits, another token: the loop, not the forward, is wrong
+        ("bf16", (far * 1.001, far, far), True),  # logits pass, but 7 is far below stock's best
+        ("fp32", (tie, tie, tie), True),
+    ):
+        check = fuzz.Compare({"dtype": dtype}, torch.device("cpu"))
+        check.tokens("t", got, want, lambda row, pos: steps)
+        assert bool(check.failures) == parts, (dtype, check.failures)
+    near = logits.clone()
+    near[0, 0, 8], near[0, 0, 7] = 3.0, 3.0 - 1e-6
+    nudged = near.clone()
+    nudged[0, 0, 7] += 2e-6  # within the fp32 bound of stock's logits, and enough to swap its two best
     fp32 = fuzz.Compare({"dtype": "fp32"}, torch.device("cpu"))
-    fp32.tokens("t", got, want, lambda row, pos: (close, close, close))
-    assert fp32.failures  # the same logits: fp32 tokens must agree
-    tie = close.clone()
-    tie[0, 0, :2] = torch.tensor([3.0, 3.0 - 1e-6])
-    nudged = tie.clone()
-    nudged[0, 0, 1] += 2e-6  # within the fp32 bound of stock's logits, and enough to swap its two best
-    fp32 = fuzz.Compare({"dtype": "fp32"}, torch.device("cpu"))
-    fp32.tokens("t", got, want, lambda row, pos: (nudged, tie, tie))
-    assert not fp32.failures, fp32.failures  # a near-tie may part
+    fp32.tokens("t", got, want, lambda row, pos: (nudged, near, near))
+    assert not fp32.failures, fp32.failures  # an fp32 near-tie may part
 
 
 @pytest.mark.cuda
@@ -157,3 +170,24 @@ def test_workers_merge_their_summaries(tmp_path, capsys):
     summary = json.loads(out.read_text())
     assert rc == 0 and summary["cases"] == 2 and summary["workers"] == 2 and not summary["failures"]
     assert "2 workers" in capsys.readouterr().out
+
+
+def test_the_search_covers_speculative_and_batched_generation(monkeypatch):
+    """The call kinds of the two newest paths run against stock: speculative `generate` (a random MTP head whose
+    drafts are partly replaced by stock's own tokens) and `generate_batch`; and a speculative loop that accepts every
+    draft (right or wrong) is found, though each forward it runs is right."""
+    out = fuzz.search(seed=3, device="cpu", cases=6, max_len=160, kinds=("speculative", "batch"), shrink_budget=0,
+                      log=lambda *_: None)
+    assert out["cases"] == 6 and not out["failures"], [f["failures"][0] for f in out["failures"]]
+    spec = helpers.import_module("fused_speculative")
+    good = spec.accept
+
+    def accept_all(p_scores, drafts, q, do_sample):
+        n, token = good(p_scores, drafts, q, do_sample)
+        last = p_scores.shape[1] - 1
+        return (last, p_scores.argmax(-1)[:, last]) if not do_sample else (n, token)
+
+    monkeypatch.setattr(spec, "accept", accept_all)
+    out = fuzz.search(seed=3, device="cpu", cases=8, max_len=160, kinds=("speculative",), shrink_budget=0,
+                      log=lambda *_: None)
+    assert out["failures"] and "parts from stock" in out["failures"][0]["failures"][0]
