@@ -6,6 +6,8 @@
     python scripts/fuzz_vs_stock.py --device cpu --cases 40 --seed 1
     # one case again, as a failure prints it (its shrunk form when the shrinker found one)
     python scripts/fuzz_vs_stock.py --replay '{"seed": 17, ...}'
+    # the same, then with each fused op on its torch reference in turn: which kernel adds the error (GPU)
+    python scripts/fuzz_vs_stock.py --replay '{"seed": 17, ...}' --bisect-ops
     # the CPU emulation of the GPU path against the GPU path itself, on the same cases (GPU only)
     python scripts/fuzz_vs_stock.py --minutes 5 --emulation-check
     # several searches side by side (seeds seed*100 + i), one summary: a device call is at most 10 minutes, and one
@@ -855,6 +857,40 @@ def run_workers(argv: list[str], workers: int, seed: int, log=print) -> dict:
             "per_minute": len(drawn) / max(minutes, 1e-9), "coverage": coverage_table(drawn), "drawn": drawn}
 
 
+@contextlib.contextmanager
+def reference_ops(names, kernels=None, refs=None):
+    """Inside the block, the fused path's ops ``names`` (of ``fused_ops.KERNEL_OPS``) run their torch references in
+    place of the kernels (every plan reads the one namespace ``kernels``, ``fused_plan.KERNELS`` by default; the
+    references from ``refs``, ``fused_plan.REFERENCES``)."""
+    kernels = plan_mod.KERNELS if kernels is None else kernels
+    refs = plan_mod.REFERENCES if refs is None else refs
+    saved = {n: getattr(kernels, n) for n in names}
+    try:
+        for n in names:
+            setattr(kernels, n, getattr(refs, n))
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(kernels, n, fn)
+
+
+def bisect_ops(case: dict, log=print, kernels=None, refs=None) -> dict:
+    """Replay ``case`` (on the GPU) with the kernels, then with each op of the fused path on its torch reference
+    alone, then with all of them: which swap makes a failure go away says which kernel adds it. Returns variant ->
+    the first failure (None: passes). ``kernels`` / ``refs`` as for ``reference_ops``."""
+    names = list(vars(plan_mod.KERNELS if kernels is None else kernels))
+    out = {}
+    for variant, swap in [("kernels", [])] + [(n, [n]) for n in names] + [("all references", names)]:
+        with reference_ops(swap, kernels, refs):
+            try:
+                found = run_case(case)
+            except Exception as err:  # noqa: BLE001 - reported as the variant's failure
+                found = [f"raised {type(err).__name__}: {err}"]
+        out[variant] = found[0] if found else None
+        log(f"  {variant:>26}: {'pass' if not found else found[0][:150]}")
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -871,6 +907,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pool", type=int, help="draw configs from this many fixed ones (0: a new config a case; "
                         "default 0 on cpu, 48 on cuda, where each new config compiles its kernels)")
     parser.add_argument("--replay", help="run this one case (JSON, as a failure prints it)")
+    parser.add_argument("--bisect-ops", action="store_true", help="with --replay: run it again with each fused op on "
+                        "its torch reference in turn (which kernel adds the error)")
     parser.add_argument("--emulation-check", action="store_true", help="CPU emulation against the GPU, fp32")
     parser.add_argument("--workers", type=int, default=1, help="run this many searches side by side (seeds "
                         "seed*100 + i) and merge their summaries")
@@ -879,6 +917,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.replay:
         case = json.loads(args.replay)
+        if args.bisect_ops:
+            print(describe(case))
+            out = bisect_ops(case)
+            return 1 if out["kernels"] else 0
         found = run_case(case)
         print(describe(case), "->", "pass" if not found else "FAIL\n  " + "\n  ".join(found))
         return 1 if found else 0

@@ -191,3 +191,23 @@ def test_the_search_covers_speculative_and_batched_generation(monkeypatch):
     out = fuzz.search(seed=3, device="cpu", cases=8, max_len=160, kinds=("speculative",), shrink_budget=0,
                       log=lambda *_: None)
     assert out["failures"] and "parts from stock" in out["failures"][0]["failures"][0]
+
+
+def test_bisect_ops_names_the_op_that_adds_the_error(monkeypatch):
+    """A fault planted in one op (the RMSNorm) goes away only when that op runs its reference: the bisection names
+    it. On CPU the emulation's namespace stands in for the kernels: a copy of the references with the fault."""
+    refs = plan_mod.REFERENCES
+    good = refs.rms_norm
+
+    def off(x, weight, eps, residual=None):
+        out = good(x, weight, eps, residual=residual)
+        (out[0] if isinstance(out, tuple) else out).mul_(1.01)
+        return out
+
+    faulty, clean = type(refs)(**vars(refs)), type(refs)(**vars(refs))
+    faulty.rms_norm = off
+    monkeypatch.setattr(plan_mod, "REFERENCES", faulty)  # what the emulated plan runs
+    case = fuzz.draw_case(5, "cpu", dtypes=("fp32",), moe=0.0, kinds=("forward",), max_len=40)
+    out = fuzz.bisect_ops(case, log=lambda *_: None, kernels=faulty, refs=clean)
+    assert out["kernels"] and out["rms_norm"] is None and out["all references"] is None, out
+    assert all(out[n] for n in out if n not in ("rms_norm", "all references")), out
