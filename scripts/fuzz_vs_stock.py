@@ -876,12 +876,16 @@ def reference_ops(names, kernels=None, refs=None):
 
 def bisect_ops(case: dict, log=print, kernels=None, refs=None) -> dict:
     """Replay ``case`` (on the GPU) with the kernels, then with each op of the fused path on its torch reference
-    alone, then with all of them: which swap makes a failure go away says which kernel adds it. Returns variant ->
-    the first failure (None: passes). ``kernels`` / ``refs`` as for ``reference_ops``."""
+    alone, then with all of them, then (on a GPU) with every SDPA call on its math backend: which change makes a
+    failure go away says which kernel adds it. Returns variant -> the first failure (None: passes). ``kernels`` /
+    ``refs`` as for ``reference_ops``."""
     names = list(vars(plan_mod.KERNELS if kernels is None else kernels))
+    variants = [("kernels", [], False)] + [(n, [n], False) for n in names] + [("all references", names, False)]
+    if torch.cuda.is_available():  # SDPA is stock's call, not one of the ops: its math backend for the fused path too
+        variants.append(("SDPA math backend", [], True))
     out = {}
-    for variant, swap in [("kernels", [])] + [(n, [n]) for n in names] + [("all references", names)]:
-        with reference_ops(swap, kernels, refs):
+    for variant, swap, math_sdpa in variants:
+        with reference_ops(swap, kernels, refs), (_math_sdpa() if math_sdpa else contextlib.nullcontext()):
             try:
                 found = run_case(case)
             except Exception as err:  # noqa: BLE001 - reported as the variant's failure
@@ -889,6 +893,12 @@ def bisect_ops(case: dict, log=print, kernels=None, refs=None) -> dict:
         out[variant] = found[0] if found else None
         log(f"  {variant:>26}: {'pass' if not found else found[0][:150]}")
     return out
+
+
+def _math_sdpa():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 def main(argv=None) -> int:
