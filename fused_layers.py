@@ -47,9 +47,9 @@ from .fused_plan import FusedPlan
 
 # What each fused kind runs, as describe() reports it.
 FUSED_OPS = {
-    "linear_attention": "1 GEMM (qkv|z|b|a) + deltanet_prep (conv, SiLU, q/k L2 norm, beta) + fla's gated delta rule "
-    "(gate in kernel; its chunked kernel, or for fp32 at torch's default 'highest' matmul precision its IEEE "
-    "per-token kernel) + gated RMSNorm",
+    "linear_attention": "1 GEMM (qkv|z|b|a) + deltanet_prep (conv, SiLU, q/k L2 norm, beta, gate) + fla's gated "
+    "delta rule (its chunked kernel, or for fp32 at torch's default 'highest' matmul precision its IEEE per-token "
+    "kernel) + gated RMSNorm",
     "full_attention": "1 GEMM (q+gate|k|v) + attn_prep (split, q/k RMSNorm, partial mRoPE) + attention + sigmoid gate",
     "mlp": "1 GEMM (gate|up) + SwiGLU",
     "rms_norm": "zero-centred RMSNorm kernel",
@@ -261,8 +261,8 @@ def _repeated_single_kv_head(key, value, heads: int, is_causal: bool):
 
 class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
     """Gated DeltaNet: one GEMM for ``in_proj_qkv | in_proj_z | in_proj_b | in_proj_a`` -> ``deltanet_prep`` (causal
-    conv + SiLU, q/k L2 norm, beta sigmoid, one launch) -> fla's gated delta rule (``gated_delta_rule_prefill``: gate
-    from ``A_log`` / ``dt_bias`` and grouped value heads inside the kernel; chunked, or per-token for IEEE fp32) ->
+    conv + SiLU, q/k L2 norm, beta sigmoid, the gate from ``A_log`` / ``dt_bias``, one launch) -> fla's gated delta
+    rule (``gated_delta_rule_prefill``: grouped value heads inside the kernel; chunked, or per-token for IEEE fp32) ->
     ``gated_rms_norm`` (z read in place) -> ``out_proj``.
 
     Covers forwards without a cache, the prefill that fills an empty cache, and calls that continue a cache's state
@@ -307,17 +307,16 @@ class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
             if prefix:  # a continued call: the conv sees the cached inputs first (a few rows of b, a in front)
                 mixed_qkv = window.transpose(1, 2).contiguous()  # [B, P + T, C], the kernel's row layout
                 b, a = F.pad(b, (0, 0, prefix, 0)), F.pad(a, (0, 0, prefix, 0))
-        # One launch: conv + SiLU of the q|k|v columns, the q / k L2 norm, sigmoid(b) and a copied out contiguous,
-        # so fla's delta rule neither normalises nor copies its inputs.
+        # One launch: conv + SiLU of the q|k|v columns, the q / k L2 norm, sigmoid(b) and the gate g, so fla's
+        # delta rule neither normalises nor copies its inputs.
         query, key, value, beta, g = ops.deltanet_prep(
-            mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, b, a,
+            mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, b, a, self.A_log, self.dt_bias,
             self.num_k_heads, self.head_k_dim, self.head_v_dim,
         )
         if prefix:
             query, key, value, beta, g = (t[:, prefix:].contiguous() for t in (query, key, value, beta, g))
         core, last_state = ops.gated_delta_rule_prefill(
-            query, key, value, g, beta, self.A_log, self.dt_bias, output_final_state=cache is not None,
-            initial_state=initial_state,
+            query, key, value, g, beta, output_final_state=cache is not None, initial_state=initial_state,
         )
         if cache is not None:
             cache.update_recurrent_state(last_state, self.layer_idx)

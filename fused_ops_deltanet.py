@@ -28,6 +28,7 @@ from .fused_ops_runtime import (
     _check_triton,
     _device_guard,
     _num_warps,
+    _on_gpu,
     _pdl_launch,
     fla_chunk_gated_delta_rule,
     fla_fused_recurrent_gated_delta_rule,
@@ -37,7 +38,7 @@ from .fused_ops_runtime import (
 )
 
 if HAS_TRITON:  # the shared `@triton.jit` helpers exist only with triton
-    from .fused_ops_runtime import _pdl_wait, _round_to
+    from .fused_ops_runtime import _exp_exact, _pdl_wait, _round_to, _softplus
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -276,6 +277,7 @@ if HAS_TRITON:
         BLOCK_V: tl.constexpr,
         PREFETCH_STATE: tl.constexpr,
         PDL: tl.constexpr,
+        ON_GPU: tl.constexpr,
     ):
         # program (row, value head, block of V columns); value head i_hv reads key head i_hv // GROUP
         i_b = tl.program_id(0).to(tl.int64)
@@ -301,15 +303,11 @@ if HAS_TRITON:
         b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q) + eps) * scale
         b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k) + eps)
 
-        # decay g = -exp(A_log) * softplus(a + dt_bias), fp32; softplus as torch's (threshold 20), with log1p(e)
-        # computed as log(u) * e / (u - 1), u = 1 + e, which stays accurate where e is far below 1
+        # decay exp(g), g = -exp(A_log) * softplus(a + dt_bias) in fp32 as torch computes it (`_softplus`)
         b_a = tl.load(a_ptr + i_b * stride_a_b + i_hv * stride_a_h).to(tl.float32)
         b_a += tl.load(dt_bias_ptr + i_hv).to(tl.float32)
-        b_e = tl.exp(tl.minimum(b_a, 20.0))
-        b_u = 1.0 + b_e
-        b_sp = tl.where(b_u == 1.0, b_e, tl.log(b_u) * (b_e / tl.where(b_u == 1.0, 1.0, b_u - 1.0)))
-        b_sp = tl.where(b_a > 20.0, b_a, b_sp)
-        b_decay = tl.exp(-tl.exp(tl.load(A_log_ptr + i_hv).to(tl.float32)) * b_sp)
+        b_g = -_exp_exact(tl.load(A_log_ptr + i_hv).to(tl.float32), ON_GPU) * _softplus(b_a, ON_GPU)
+        b_decay = tl.exp(b_g)
         # beta = sigmoid(b), rounded to b's dtype as stock's `b.sigmoid()` is
         b_bt = tl.load(b_ptr + i_b * stride_b_b + i_hv * stride_b_h).to(tl.float32)
         b_beta = _round_to(1.0 / (1.0 + tl.exp(-b_bt)), b_ptr.dtype.element_ty)
@@ -451,6 +449,7 @@ def gated_delta_rule_step(
                 # about 32 state values per thread: 4 warps for the real [128, 32] tile
                 num_warps=max(1, min(8, BLOCK_K * BLOCK_V // (32 * 32))),
                 PDL=pdl,
+                ON_GPU=_on_gpu(q),
                 **_pdl_launch(pdl),
             )
     return out
@@ -490,12 +489,13 @@ def gated_delta_rule_step_ref(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Gated DeltaNet prefill, input side: causal conv + SiLU of q|k|v, the q / k L2 norm, beta and the gate input
+# Gated DeltaNet prefill, input side: causal conv + SiLU of q|k|v, the q / k L2 norm, beta and the gate
 #
 # Why our own kernel: through fla, this stage is eight launches per layer: fla's conv once per q / k / v slice,
 # `chunk_gated_delta_rule`'s L2 norm of q and of k, its beta sigmoid, and its input guard's copies of the strided
 # b / a columns of the packed projection. Nothing maintained fuses them. This one launch reads those columns once
-# and writes what `chunk_gated_delta_rule` reads, ready: contiguous, normalised q and k, v, beta in fp32 and a.
+# and writes what fla's rule reads, ready: contiguous, normalised q and k, v, and beta and the gate g in fp32. The gate
+# is computed here, not in fla's kernel: fla's in-kernel softplus is approximate where it matters (`_softplus`).
 # ---------------------------------------------------------------------------------------------------------------------
 
 # Tokens per program and warps. Measured on the H200 (2026-12-02, the 4B layer, bf16, each launch shape in a CUDA
@@ -509,10 +509,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _deltanet_prep_kernel(
-        x_ptr, w_ptr, bias_ptr, b_ptr, a_ptr, y_ptr, beta_ptr, g_ptr,
+        x_ptr, w_ptr, bias_ptr, b_ptr, a_ptr, A_log_ptr, dt_bias_ptr, y_ptr, beta_ptr, g_ptr,
         T, stride_xb, stride_xt, stride_w, stride_bb, stride_bt, stride_ab, stride_at, eps,
         HK: tl.constexpr, DK: tl.constexpr, HV: tl.constexpr, DV: tl.constexpr, W: tl.constexpr,
         HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HV: tl.constexpr,
+        ON_GPU: tl.constexpr,
     ):
         i_t, i_b, i_h = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
         n_b = tl.num_programs(1).to(tl.int64)
@@ -550,15 +551,19 @@ if HAS_TRITON:
             b_y = tl.where(is_qk, _round_to(b_y * b_rstd[:, None], dt), b_y)
             p_y = y_ptr + base + (i_b * T + o_t)[:, None] * width + o_col + o_d[None, :]
             tl.store(p_y, b_y.to(dt), mask=m_t[:, None] & m_d[None, :])
-        else:  # the last program of each token block: beta = sigmoid(b) in fp32, and a copied out contiguous
+        else:  # the last program of each token block: beta = sigmoid(b) and the gate g, both fp32
             # (names differ from the other branch's: Triton wants one type per name across the two branches)
             o_v = tl.arange(0, BLOCK_HV)
-            m_v = m_t[:, None] & (o_v < HV)[None, :]
+            m_hv = o_v < HV
+            m_v = m_t[:, None] & m_hv[None, :]
             b_b = tl.load(b_ptr + i_b * stride_bb + o_t[:, None] * stride_bt + o_v[None, :], mask=m_v, other=0.0)
             b_a = tl.load(a_ptr + i_b * stride_ab + o_t[:, None] * stride_at + o_v[None, :], mask=m_v, other=0.0)
+            # stock: g = -A_log.float().exp() * softplus(a.float() + dt_bias), fp32
+            b_A = _exp_exact(tl.load(A_log_ptr + o_v, mask=m_hv, other=0.0).to(tl.float32), ON_GPU)
+            b_a = b_a.to(tl.float32) + tl.load(dt_bias_ptr + o_v, mask=m_hv, other=0.0).to(tl.float32)[None, :]
             o_bt = (i_b * T + o_t)[:, None] * HV + o_v[None, :]
             tl.store(beta_ptr + o_bt, tl.sigmoid(b_b.to(tl.float32)), mask=m_v)
-            tl.store(g_ptr + o_bt, b_a, mask=m_v)
+            tl.store(g_ptr + o_bt, -b_A[None, :] * _softplus(b_a, ON_GPU), mask=m_v)
 
 
 def deltanet_prep(
@@ -567,13 +572,15 @@ def deltanet_prep(
     bias: torch.Tensor | None,
     b: torch.Tensor,
     a: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     num_k_heads: int,
     head_k_dim: int,
     head_v_dim: int,
     eps: float = _GDR_L2_EPS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gated DeltaNet prefill inputs in one launch: causal depthwise conv + SiLU over q|k|v (no initial state), the
-    L2 norm of each q and k head, `beta = sigmoid(b)`, and `a` copied out contiguous.
+    L2 norm of each q and k head, `beta = sigmoid(b)` and the gate `g = -exp(A_log) * softplus(a + dt_bias)`.
 
     Math per token t and channel c (fp32 inside, rounded where stock rounds): `y[t, c] = silu(sum_j x[t - W + 1 + j,
     c] * weight[c, j] + bias[c])` with x = 0 before the first token; then for q and k, per head,
@@ -587,20 +594,21 @@ def deltanet_prep(
         bias: optional [C], contiguous (Qwen3.5 has none).
         b, a: [B, T, HV] float32 / bfloat16 / float16, last dim contiguous, other strides arbitrary: the
             `in_proj_b` / `in_proj_a` columns.
+        A_log, dt_bias: [HV], contiguous, any float dtype (read as float32).
         num_k_heads, head_k_dim, head_v_dim: the layer's head layout (HV is b.shape[-1]).
         eps: the L2 norm's epsilon (stock and fla: 1e-6).
 
     Returns:
         `(q, k, v, beta, g)`: q, k [B, T, num_k_heads, head_k_dim] and v [B, T, HV, head_v_dim], contiguous, in
-        x.dtype (q and k normalised); beta [B, T, HV] float32; g [B, T, HV] a's values, contiguous, in a.dtype.
-        They are `chunk_gated_delta_rule`'s inputs with `use_qk_l2norm_in_kernel=False`,
-        `use_beta_sigmoid_in_kernel=False`, `use_gate_in_kernel=True`.
+        x.dtype (q and k normalised); beta and g [B, T, HV] float32, contiguous. They are fla's rule's inputs with
+        `use_qk_l2norm_in_kernel=False`, `use_beta_sigmoid_in_kernel=False`, `use_gate_in_kernel=False`.
 
     Replaces, in `Qwen3_5GatedDeltaNet.forward` without a cached state, `F.silu(self.conv1d(mixed_qkv)[..., :T])`,
-    the split into q, k, v, `beta = b.sigmoid()` and the q / k `l2norm` of the chunked rule.
+    the split into q, k, v, `beta = b.sigmoid()`, `g = -self.A_log.float().exp() * F.softplus(a.float() +
+    self.dt_bias)` and the q / k `l2norm` of the chunked rule.
     """
     _check_triton("deltanet_prep")
-    for name, t in (("x", x), ("weight", weight), ("b", b), ("a", a)):
+    for name, t in (("x", x), ("weight", weight), ("b", b), ("a", a), ("A_log", A_log), ("dt_bias", dt_bias)):
         _check_float(name, t)
         _check_last_dim_contiguous(name, t)
     if x.dim() != 3 or b.dim() != 3 or a.shape != b.shape or b.shape[:2] != x.shape[:2]:
@@ -608,13 +616,16 @@ def deltanet_prep(
                          f"b {tuple(b.shape)}, a {tuple(a.shape)}.")
     B, T, C = x.shape
     HV = b.shape[2]
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t.shape != (HV,):
+            raise ValueError(f"{name} must have shape ({HV},) to match b {tuple(b.shape)}, got {tuple(t.shape)}.")
     key_dim, value_dim = num_k_heads * head_k_dim, HV * head_v_dim
     if min(num_k_heads, head_k_dim, head_v_dim, HV) < 1 or C != 2 * key_dim + value_dim:
         raise ValueError(f"x has C={C} channels, but num_k_heads={num_k_heads}, head_k_dim={head_k_dim}, HV={HV}, "
                          f"head_v_dim={head_v_dim} need 2 * {key_dim} + {value_dim}.")
     if weight.dim() != 2 or weight.shape[0] != C or weight.shape[1] < 1:
         raise ValueError(f"weight must be [C, W] = [{C}, W] for x {tuple(x.shape)}, got {tuple(weight.shape)}.")
-    tensors = dict(x=x, weight=weight, b=b, a=a)
+    tensors = dict(x=x, weight=weight, b=b, a=a, A_log=A_log, dt_bias=dt_bias)
     if bias is not None:
         if bias.shape != (C,):
             raise ValueError(f"bias must have shape ({C},), got {tuple(bias.shape)}.")
@@ -628,17 +639,17 @@ def deltanet_prep(
     k = y[B * T * key_dim : 2 * B * T * key_dim].view(B, T, num_k_heads, head_k_dim)
     v = y[2 * B * T * key_dim :].view(B, T, HV, head_v_dim)
     beta = torch.empty(B, T, HV, dtype=torch.float32, device=x.device)
-    g = torch.empty(B, T, HV, dtype=a.dtype, device=x.device)
+    g = torch.empty(B, T, HV, dtype=torch.float32, device=x.device)
     if B > 0 and T > 0:
         BLOCK_T = min(_PREP_BLOCK_T, max(16, triton.next_power_of_2(T)))
         BLOCK_D = triton.next_power_of_2(max(head_k_dim, head_v_dim))
         with _device_guard(x):
             _deltanet_prep_kernel[(triton.cdiv(T, BLOCK_T), B, 2 * num_k_heads + HV + 1)](
-                x, weight, bias if bias is not None else weight, b, a, y, beta, g,
+                x, weight, bias if bias is not None else weight, b, a, A_log, dt_bias, y, beta, g,
                 T, x.stride(0), x.stride(1), weight.stride(0), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
                 eps,
                 HK=num_k_heads, DK=head_k_dim, HV=HV, DV=head_v_dim, W=weight.shape[1], HAS_BIAS=bias is not None,
-                BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_HV=triton.next_power_of_2(HV),
+                BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_HV=triton.next_power_of_2(HV), ON_GPU=_on_gpu(x),
                 num_warps=min(_PREP_WARPS, _num_warps(BLOCK_T * BLOCK_D)),
             )
     return q, k, v, beta, g
@@ -650,12 +661,15 @@ def deltanet_prep_ref(
     bias: torch.Tensor | None,
     b: torch.Tensor,
     a: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     num_k_heads: int,
     head_k_dim: int,
     head_v_dim: int,
     eps: float = _GDR_L2_EPS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain-torch `deltanet_prep`: stock's conv1d + SiLU, then fla's L2 norm (fp32) and beta sigmoid (fp32)."""
+    """Plain-torch `deltanet_prep`: stock's conv1d + SiLU, then fla's L2 norm (fp32), beta sigmoid (fp32) and
+    stock's gate (fp32)."""
     B, T, C = x.shape
     W = weight.shape[1]
     y = torch.nn.functional.conv1d(x.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), bias, padding=W - 1,
@@ -669,7 +683,8 @@ def deltanet_prep_ref(
         return (t / torch.sqrt(t.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
     v = v.reshape(B, T, -1, head_v_dim).contiguous()
-    return l2(q), l2(k), v, b.float().sigmoid(), a.contiguous()
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    return l2(q), l2(k), v, b.float().sigmoid(), g
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -698,22 +713,19 @@ def gated_delta_rule_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    a: torch.Tensor,
+    g: torch.Tensor,
     beta: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
     output_final_state: bool = False,
     initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The gated delta rule over a prompt (from a zero state) or over the tokens that continue a cached state, gate
-    `-exp(A_log) * softplus(a + dt_bias)` computed in the kernel, by fla (`prefill_rule_kernel` picks the chunked
-    or the per-token kernel).
+    """The gated delta rule over a prompt (from a zero state) or over the tokens that continue a cached state, by
+    fla (`prefill_rule_kernel` picks the chunked or the per-token kernel), on the gate `deltanet_prep` computed.
 
     Args:
         q, k: [B, T, H, K], already L2-normalised (`deltanet_prep`); v: [B, T, HV, V], HV a multiple of H (grouped
             value heads, as stock's `repeat_interleave`); one dtype.
-        a: [B, T, HV] the raw gate input; beta: [B, T, HV] float32, already `sigmoid(b)`.
-        A_log, dt_bias: [HV].
+        g: [B, T, HV] float32, the gate `-exp(A_log) * softplus(a + dt_bias)` (the log of the decay); beta:
+            [B, T, HV] float32, already `sigmoid(b)`.
         initial_state: optional [B, HV, K, V] (a cache's recurrent state), read as float32.
 
     Returns:
@@ -724,22 +736,21 @@ def gated_delta_rule_prefill(
         initial_state = initial_state.float()
     if kernel == "chunk":
         return fla_chunk_gated_delta_rule(
-            q, k, v, g=a, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=False, A_log=A_log,
-            dt_bias=dt_bias,
+            q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
         )
     return fla_fused_recurrent_gated_delta_rule(
-        q, k, v, g=a, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=False, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+        q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=False,
     )
 
 
-def gated_delta_rule_prefill_ref(q, k, v, a, beta, A_log, dt_bias, output_final_state=False, initial_state=None):
+def gated_delta_rule_prefill_ref(q, k, v, g, beta, output_final_state=False, initial_state=None):
     """Plain-torch `gated_delta_rule_prefill`: stock's torch chunked rule on key heads repeated for their value heads
     (what stock runs without fla). fp32 math inside; o in q's dtype, as fla returns it."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as stock  # lazy: only the references need transformers
 
-    gate = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+    gate = g.float()
     group = v.shape[2] // q.shape[2]
     q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
     rule = inspect.unwrap(stock.torch_chunk_gated_delta_rule)
@@ -747,4 +758,4 @@ def gated_delta_rule_prefill_ref(q, k, v, a, beta, A_log, dt_bias, output_final_
         initial_state = initial_state.float()
     o, state = rule(q, k, v, g=gate, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
                     use_qk_l2norm_in_kernel=False)
-    return o.to(q.dtype), state
+    return o.to(q.dtype).contiguous(), state  # laid out as fla's o, which the kernels after it read

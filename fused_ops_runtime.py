@@ -28,11 +28,13 @@ import torch
 try:  # the one optional-import gate of the repo
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     HAS_TRITON = True
 except Exception:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
+    libdevice = None
     HAS_TRITON = False
 
 try:
@@ -235,6 +237,12 @@ def _dot_in_f32(x: torch.Tensor) -> bool:
     return not x.is_cuda
 
 
+def _on_gpu(x: torch.Tensor) -> bool:
+    """The `ON_GPU` constexpr of `_softplus` / `_exp_exact`: False on CPU tensors, i.e. under the Triton
+    interpreter, which has no libdevice."""
+    return x.is_cuda
+
+
 def _check_triton(op: str) -> None:
     if not HAS_TRITON:
         raise RuntimeError(f"fused_ops.{op} needs triton, which is not installed; use {op}_ref instead.")
@@ -287,6 +295,35 @@ if HAS_TRITON:
             y = x.to(tl.float16).to(tl.float32)
         else:
             y = x
+        return y
+
+    @triton.jit
+    def _softplus(x, ON_GPU: tl.constexpr):
+        """torch's `softplus(x)` (threshold 20) of fp32 `x`: `log1p(exp(x))`, and `x` itself above 20.
+
+        Why not fla's `softplus` (`lg2.approx(1 + ex2.approx(x))` on NVIDIA): where exp(x) is far below 1 the sum
+        keeps a few bits of it, so a strongly negative gate input (large `dt_bias`) gets a decay off by up to all of
+        its own size; over hundreds of tokens an fp32 recurrent state drifted 3e-5 to 7e-5 from stock's (issue 43's
+        search, H200). On the GPU: libdevice's `exp` and `log1p` (as torch's CUDA softplus). The Triton interpreter
+        has no libdevice (its calls return None): there `log1p(e)` is Kahan's `log(u) * e / (u - 1)`, u = 1 + e, on
+        numpy's exact `log`. ON_GPU: the tensors are CUDA tensors (`_on_gpu`)."""
+        x_in = tl.minimum(x, 20.0)
+        if ON_GPU:
+            sp = libdevice.log1p(libdevice.exp(x_in))
+        else:
+            e = tl.exp(x_in)
+            u = 1.0 + e
+            sp = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+        return tl.where(x > 20.0, x, sp)
+
+    @triton.jit
+    def _exp_exact(x, ON_GPU: tl.constexpr):
+        """`exp(x)` of fp32 `x` as torch computes it: libdevice's `exp` on the GPU (`tl.exp` is `ex2.approx`, about
+        2 ulp), numpy's under the interpreter."""
+        if ON_GPU:
+            y = libdevice.exp(x)
+        else:
+            y = tl.exp(x)
         return y
 
     @triton.jit

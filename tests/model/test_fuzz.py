@@ -4,6 +4,7 @@ command that reproduces it."""
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +116,29 @@ def test_a_fixed_seed_slice_finds_nothing_on_the_gpu():
     out = fuzz.search(seed=2026, device="cuda", minutes=2, shrink_budget=4, pool=8, log=print)
     assert out["cases"] > 10
     assert not out["failures"], [f["failures"][0] + "\n" + f["command"] for f in out["failures"]]
+
+
+# What the search has found: each case stays a test, on the GPU (where it was found) and on the CPU emulation.
+FOUND = json.loads((Path(__file__).with_name("fuzz_found.json")).read_text())["cases"]
+
+
+def _found_id(entry) -> str:
+    case = entry["case"]
+    return f"{case['seed']}-{case['dtype']}-{case['call']['kind']}-T{case['call']['length']}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("entry", FOUND, ids=_found_id)
+def test_what_the_search_found_passes_on_the_gpu(entry):
+    found = fuzz.run_case(entry["case"])
+    assert not found, f"{fuzz.describe(entry['case'])} ({entry['found']}): {found[0]}"
+
+
+@pytest.mark.parametrize("entry", FOUND, ids=_found_id)
+def test_what_the_search_found_passes_on_the_cpu_emulation(entry):
+    case = dict(entry["case"], device="cpu")
+    found = fuzz.run_case(case)
+    assert not found, f"{fuzz.describe(case)} ({entry['found']}): {found[0]}"
 
 
 @pytest.mark.cuda

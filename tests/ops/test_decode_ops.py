@@ -670,7 +670,7 @@ for prefetch in (False, True):
                       dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16",
                            A_log_ptr="*fp32", dt_bias_ptr="*fp32", s_ptr="*fp32", o_ptr="*bf16", scale="fp32",
                            eps="fp32"),
-                      dict(GROUP=2, K=128, V=128, BLOCK_K=128, BLOCK_V=32, PREFETCH_STATE=prefetch), 4)
+                      dict(GROUP=2, K=128, V=128, BLOCK_K=128, BLOCK_V=32, PREFETCH_STATE=prefetch, ON_GPU=True), 4)
     ptx = kernel.asm["ptx"]
     # with prefetch_state the state's loads come before the wait, else every load after it
     if fused_ops_runtime._HAS_GDC:

@@ -15,8 +15,9 @@ Error bounds (relative), and why:
 - bf16 <= 1e-2, fp16 <= 1e-3: the kernels round where stock rounds (conv output, SiLU, the normalised q / k; the
   gated norm's normalised x, weight product and output), so only those wobbles flipping a rounding decision remain,
   one unit in the last place of an element at most. Measured on CPU against the references: 0.
-- v (a rounded conv + SiLU) and beta (an fp32 sigmoid) are compared with the same bounds; the copied gate input a
-  must be bit-exact.
+- v (a rounded conv + SiLU), beta (an fp32 sigmoid) and the gate g (fp32, stock's
+  `-A_log.float().exp() * softplus(a.float() + dt_bias)`) are compared with the same bounds; g also at gate inputs
+  down to -40, where fla's approximate in-kernel softplus was off (`test_gate_matches_torch_where_exp_is_tiny_*`).
 """
 
 import inspect
@@ -68,7 +69,21 @@ def packed_projection(B, T, HK, DK, HV, DV, dtype, device, seed=0):
     return (*parts, weight)
 
 
-def stock_prep(x, weight, b, HK, DK, DV):
+def gate_params(HV, device, dtype=torch.float32, seed=3, spread=3.0):
+    """A_log and dt_bias [HV] as the search draws them at its widest (decay rates up to 16, dt_bias x 3), where the
+    gate input reaches far below 0."""
+    gen = torch.Generator().manual_seed(seed)
+    A_log = torch.log(torch.rand(HV, generator=gen) * 16 + 1e-3)
+    dt_bias = torch.randn(HV, generator=gen) * spread
+    return A_log.to(device=device, dtype=dtype), dt_bias.to(device=device, dtype=dtype)
+
+
+def stock_gate(a, A_log, dt_bias):
+    """Stock's gate (`Qwen3_5GatedDeltaNet.forward`)."""
+    return -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+
+
+def stock_prep(x, weight, b, a, A_log, dt_bias, HK, DK, DV):
     """Stock's conv + SiLU ([B, C, T] layout), split, q / k `l2norm` (fla's eps), beta = sigmoid(b) in fp32."""
     B, T, C = x.shape
     y = STOCK_CONV(x.transpose(1, 2), weight, None, activation="silu").transpose(1, 2)
@@ -77,20 +92,34 @@ def stock_prep(x, weight, b, HK, DK, DV):
     def l2(t):  # fla's l2norm (the path stock takes on the GPU): fp32 over the rounded conv output
         return STOCK_L2NORM(t.reshape(B, T, HK, DK).float(), dim=-1, eps=1e-6).to(x.dtype)
 
-    return l2(q), l2(k), v.reshape(B, T, -1, DV), b.float().sigmoid()
+    return l2(q), l2(k), v.reshape(B, T, -1, DV), b.float().sigmoid(), stock_gate(a, A_log, dt_bias)
 
 
 def check_prep(device, dtype, B, T, HK, DK, HV, DV):
     x, _, b, a, weight = packed_projection(B, T, HK, DK, HV, DV, dtype, device)
-    got = fused_ops.deltanet_prep(x, weight, None, b, a, HK, DK, DV)
-    ref = fused_ops.deltanet_prep_ref(x, weight, None, b, a, HK, DK, DV)
-    stock = stock_prep(x, weight, b, HK, DK, DV)
+    A_log, dt_bias = gate_params(HV, device, dtype)
+    got = fused_ops.deltanet_prep(x, weight, None, b, a, A_log, dt_bias, HK, DK, DV)
+    ref = fused_ops.deltanet_prep_ref(x, weight, None, b, a, A_log, dt_bias, HK, DK, DV)
+    stock = stock_prep(x, weight, b, a, A_log, dt_bias, HK, DK, DV)
     for name, g, r in zip(("q", "k", "v", "beta", "g"), got, ref):
         assert g.is_contiguous(), f"{name} is not contiguous"
         close(f"{name} vs ref", g, r)
-    for name, g, s in zip(("q", "k", "v", "beta"), got, stock):
+    for name, g, s in zip(("q", "k", "v", "beta", "g"), got, stock):
         close(f"{name} vs stock", g, s)
-    assert torch.equal(got[4], a), "g must be a copy of a"
+    assert got[3].dtype == got[4].dtype == torch.float32
+
+
+def check_gate_where_exp_is_tiny(device):
+    """g at gate inputs from -40 to 30 (softplus from 4e-18 to 30, both sides of torch's threshold 20): within 4
+    fp32 ulps of torch's. fla's in-kernel `lg2.approx(1 + ex2.approx(x))` is off by up to all of g below -16."""
+    HV, T = 4, 71
+    x, _, b, _, weight = packed_projection(1, T, 1, 8, HV, 8, torch.float32, device)
+    a = torch.linspace(-40, 30, T * HV).reshape(1, T, HV).to(device)
+    A_log, dt_bias = gate_params(HV, device)
+    g = fused_ops.deltanet_prep(x, weight, None, b, a, A_log, dt_bias, 1, 8, 8)[4]
+    want = stock_gate(a, A_log, dt_bias)
+    rel = ((g - want).abs() / want.abs()).max().item()
+    assert rel <= 4 * torch.finfo(torch.float32).eps, f"g is {rel:.3g} (relative) from torch's gate"
 
 
 def check_gated_norm(device, dtype, B, T, HV, DV, weight_dtype=None):
@@ -124,11 +153,17 @@ def test_deltanet_prep_cpu(dtype, B, T, HK, DK, HV, DV):
 
 
 @needs_interpreter
+def test_gate_matches_torch_where_exp_is_tiny_cpu():
+    check_gate_where_exp_is_tiny("cpu")
+
+
+@needs_interpreter
 def test_deltanet_prep_bias():
     x, _, b, a, weight = packed_projection(2, 9, 2, 8, 4, 8, torch.float32, "cpu")
     bias = torch.randn(weight.shape[0])
-    got = fused_ops.deltanet_prep(x, weight, bias, b, a, 2, 8, 8)
-    for name, g, r in zip("qkv", got, fused_ops.deltanet_prep_ref(x, weight, bias, b, a, 2, 8, 8)):
+    A_log, dt_bias = gate_params(4, "cpu")
+    got = fused_ops.deltanet_prep(x, weight, bias, b, a, A_log, dt_bias, 2, 8, 8)
+    for name, g, r in zip("qkv", got, fused_ops.deltanet_prep_ref(x, weight, bias, b, a, A_log, dt_bias, 2, 8, 8)):
         close(name, g, r)
 
 
@@ -136,9 +171,10 @@ def test_deltanet_prep_bias():
 def test_deltanet_prep_causal():
     """A token's outputs depend on no later token: change the last token's inputs, the earlier outputs stay."""
     x, _, b, a, weight = packed_projection(1, 12, 2, 8, 4, 8, torch.float32, "cpu")
-    before = fused_ops.deltanet_prep(x, weight, None, b, a, 2, 8, 8)
+    A_log, dt_bias = gate_params(4, "cpu")
+    before = fused_ops.deltanet_prep(x, weight, None, b, a, A_log, dt_bias, 2, 8, 8)
     x[:, -1] += 1.0
-    after = fused_ops.deltanet_prep(x, weight, None, b, a, 2, 8, 8)
+    after = fused_ops.deltanet_prep(x, weight, None, b, a, A_log, dt_bias, 2, 8, 8)
     for name, u, w in zip("qkv", before, after):
         assert torch.equal(u[:, :-1], w[:, :-1]), name
         assert not torch.equal(u[:, -1], w[:, -1]), name
@@ -168,8 +204,8 @@ def test_gated_rms_norm_2d_decode_layout():
 @needs_interpreter
 def test_empty_inputs():
     x, _, b, a, weight = packed_projection(2, 0, 2, 8, 4, 8, torch.float32, "cpu")
-    q, k, v, beta, g = fused_ops.deltanet_prep(x, weight, None, b, a, 2, 8, 8)
-    assert q.shape == (2, 0, 2, 8) and v.shape == (2, 0, 4, 8) and beta.shape == (2, 0, 4)
+    q, k, v, beta, g = fused_ops.deltanet_prep(x, weight, None, b, a, *gate_params(4, "cpu"), 2, 8, 8)
+    assert q.shape == (2, 0, 2, 8) and v.shape == (2, 0, 4, 8) and beta.shape == g.shape == (2, 0, 4)
     assert fused_ops.gated_rms_norm(torch.zeros(2, 0, 4, 8), torch.zeros(2, 0, 32), torch.ones(8), 1e-6).shape == (2, 0, 32)
 
 
@@ -180,6 +216,7 @@ def test_empty_inputs():
         ("weight", r"weight must be \[C, W\]"),
         ("ba", "b, a \\[B, T, HV\\]"),
         ("int", "must be float32"),
+        ("gate", r"dt_bias must have shape \(4,\)"),
         ("norm_z", r"z \[\.\.\., HV \* V\]"),
         ("norm_w", r"weight must have shape \(8,\)"),
     ],
@@ -187,11 +224,13 @@ def test_empty_inputs():
 def test_rejects_bad_inputs(case, match):
     x, z, b, a, weight = packed_projection(2, 3, 2, 8, 4, 8, torch.float32, "cpu")
     core = torch.randn(2, 3, 4, 8)
+    A_log, dt_bias = gate_params(4, "cpu")
     calls = {
-        "channels": lambda: fused_ops.deltanet_prep(x, weight, None, b, a, 2, 8, 4),
-        "weight": lambda: fused_ops.deltanet_prep(x, weight[:-1], None, b, a, 2, 8, 8),
-        "ba": lambda: fused_ops.deltanet_prep(x, weight, None, b, a[..., :-1], 2, 8, 8),
-        "int": lambda: fused_ops.deltanet_prep(x, weight, None, b.long(), a, 2, 8, 8),
+        "channels": lambda: fused_ops.deltanet_prep(x, weight, None, b, a, A_log, dt_bias, 2, 8, 4),
+        "weight": lambda: fused_ops.deltanet_prep(x, weight[:-1], None, b, a, A_log, dt_bias, 2, 8, 8),
+        "ba": lambda: fused_ops.deltanet_prep(x, weight, None, b, a[..., :-1], A_log, dt_bias, 2, 8, 8),
+        "int": lambda: fused_ops.deltanet_prep(x, weight, None, b.long(), a, A_log, dt_bias, 2, 8, 8),
+        "gate": lambda: fused_ops.deltanet_prep(x, weight, None, b, a, A_log, dt_bias[:-1], 2, 8, 8),
         "norm_z": lambda: fused_ops.gated_rms_norm(core, z[..., :-8], torch.ones(8), 1e-6),
         "norm_w": lambda: fused_ops.gated_rms_norm(core, z, torch.ones(7), 1e-6),
     }
@@ -200,11 +239,12 @@ def test_rejects_bad_inputs(case, match):
 
 
 _SM90_CALLS = r"""
-ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", b_ptr="*bf16", a_ptr="*bf16", y_ptr="*bf16",
-            beta_ptr="*fp32", g_ptr="*bf16", eps="fp32")
+ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", b_ptr="*bf16", a_ptr="*bf16", A_log_ptr="*fp32",
+            dt_bias_ptr="*fp32", y_ptr="*bf16", beta_ptr="*fp32", g_ptr="*fp32", eps="fp32")
 for block_t in (16, 64):
     compile_(fused_ops_deltanet._deltanet_prep_kernel, ptrs,
-             dict(HK=16, DK=128, HV=32, DV=128, W=4, HAS_BIAS=False, BLOCK_T=block_t, BLOCK_D=128, BLOCK_HV=32), 8)
+             dict(HK=16, DK=128, HV=32, DV=128, W=4, HAS_BIAS=False, BLOCK_T=block_t, BLOCK_D=128, BLOCK_HV=32,
+                  ON_GPU=True), 8)
 compile_(fused_ops_norm._gated_rms_norm_kernel,
          dict(x_ptr="*bf16", z_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", eps="fp32"),
          dict(HV=32, BLOCK_M=8, BLOCK_D=128), 4)
@@ -230,6 +270,11 @@ def test_deltanet_prep_cuda(dtype, T, HV):
 
 
 @pytest.mark.cuda
+def test_gate_matches_torch_where_exp_is_tiny_cuda():
+    check_gate_where_exp_is_tiny("cuda")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("T", [1, 7, 129, 2048])
 @pytest.mark.parametrize("HV", [16, 32, 48])
@@ -250,9 +295,9 @@ def rule_inputs(device, dtype, B, T, H, K, HV, V, seed=0):
     a = torch.randn(B, T, HV, generator=g)
     beta = torch.rand(B, T, HV, generator=g)
     A_log, dt_bias = torch.randn(HV, generator=g) * 0.5, torch.randn(HV, generator=g)
+    gate = stock_gate(a, A_log, dt_bias)  # [B, T, HV] float32, as deltanet_prep hands it over
     cast = dict(device=device, dtype=dtype)
-    return (q.to(**cast), k.to(**cast), v.to(**cast), a.to(**cast), beta.to(device), A_log.to(device),
-            dt_bias.to(device))
+    return q.to(**cast), k.to(**cast), v.to(**cast), gate.to(device), beta.to(device)
 
 
 @pytest.fixture
@@ -271,11 +316,10 @@ def test_prefill_rule_kernel_follows_fp32_matmul_precision(matmul_precision):
 
 
 def test_prefill_rule_ref_matches_stock_recurrent_rule_cpu():
-    """The reference (stock's torch chunked rule on repeated key heads) against stock's per-token torch rule, written
-    out here with the gate and grouping of the fused path: checks the gate formula and the head grouping."""
-    q, k, v, a, beta, A_log, dt_bias = rule_inputs("cpu", torch.float32, 2, 37, 2, 8, 6, 4)
-    o, state = fused_ops.gated_delta_rule_prefill_ref(q, k, v, a, beta, A_log, dt_bias, output_final_state=True)
-    gate = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+    """The reference (stock's torch chunked rule on repeated key heads) against stock's per-token torch rule on the
+    key heads repeated here: checks the head grouping."""
+    q, k, v, gate, beta = rule_inputs("cpu", torch.float32, 2, 37, 2, 8, 6, 4)
+    o, state = fused_ops.gated_delta_rule_prefill_ref(q, k, v, gate, beta, output_final_state=True)
     rule = inspect.unwrap(modeling_qwen3_5.torch_recurrent_gated_delta_rule)
     want_o, want_state = rule(q.repeat_interleave(3, dim=2), k.repeat_interleave(3, dim=2), v, g=gate, beta=beta,
                               initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=False)
