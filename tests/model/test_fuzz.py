@@ -130,7 +130,7 @@ def _found_id(entry) -> str:
 @pytest.mark.cuda
 @pytest.mark.parametrize("entry", FOUND, ids=_found_id)
 def test_what_the_search_found_passes_on_the_gpu(entry):
-    found = fuzz.run_case(entry["case"])
+    found = fuzz.run_case(dict(entry["case"], device="cuda"))
     assert not found, f"{fuzz.describe(entry['case'])} ({entry['found']}): {found[0]}"
 
 
@@ -164,9 +164,40 @@ def test_fp32_beyond_the_bound_is_judged_against_stocks_own_error():
     tied.ties = torch.tensor([[False, False, True, False]])
     tied.values("logits", got, want, want)
     assert not tied.failures, tied.failures
-    tied.ties = torch.tensor([[False, True, False, False]])  # a tie elsewhere excuses nothing
-    tied.values("logits", got, want, want)
-    assert tied.failures
+    elsewhere = fuzz.Compare({"dtype": "fp32"}, torch.device("cpu"))
+    elsewhere.ties = torch.tensor([[False, True, False, False]])  # a tie elsewhere excuses nothing
+    elsewhere.values("logits", got, want, want)
+    assert elsewhere.failures
+
+
+def test_a_token_routed_apart_at_a_tie_excuses_the_rest_of_its_row_only():
+    """A tied token whose own output fails (the two paths routed it apart) moves every later token of its row
+    through attention / the DeltaNet state: that row is left out from there on, in this comparison and every later
+    one of the case (continued calls, cache states). Earlier positions and other rows still count."""
+    want = torch.randn(2, 6, 16, dtype=torch.float64)
+    answer = want.clone()
+    moved = want.clone()
+    moved[0, 2:] *= 1 + 3e-2  # row 0 from its tied token on
+    check = fuzz.Compare({"dtype": "fp32"}, torch.device("cpu"))
+    check.ties = torch.tensor([[False, False, True, False, False, False], [False] * 6])
+    check.values("logits", moved, want, answer)
+    assert not check.failures and check.tainted == {0}, check.failures
+    state = torch.randn(2, 3, 8, dtype=torch.float64)
+    check.values("layer 0 recurrent", state + torch.tensor([1.0, 0.0])[:, None, None], state, state, whole=True)
+    assert not check.failures, check.failures  # row 0's state is excused, row 1's is equal
+    check.values("layer 0 recurrent", state + torch.tensor([0.0, 1.0])[:, None, None], state, state, whole=True)
+    assert check.failures  # row 1 is not
+    for bad in ((0, 1), (1, 3)):  # before the tie, or another row: not excused
+        early = fuzz.Compare({"dtype": "fp32"}, torch.device("cpu"))
+        early.ties = check.ties
+        got = moved.clone()
+        got[bad] *= 1 + 3e-2
+        early.values("logits", got, want, answer)
+        assert early.failures, bad
+    held = fuzz.Compare({"dtype": "fp32"}, torch.device("cpu"))  # a tied token that passes taints nothing
+    held.ties = check.ties
+    held.values("logits", want.clone(), want, answer)
+    assert not held.failures and not held.tainted
 
 
 def test_the_float64_answer_is_closer_than_stocks_fp32():
