@@ -405,9 +405,8 @@ class Compare:
             got, want, ref = (None if t is None else t.reshape(1, 1, -1) for t in (got, want, ref))
         elif got.dim() == 2:
             got, want, ref = got[None], want[None], None if ref is None else ref[None]
-        err, at = per_position_err(got, want, real)
         bound = FP32_BOUND[self.device.type] if self.dtype == torch.float32 else LOW_PRECISION_BOUND[self.dtype]
-        if err <= bound:
+        if per_position_err(got, want, real)[0] <= bound:
             return
         if ties is not None and ties.any():  # leave the tokens at a router tie out, count the rest
             keep = ~ties if real is None else real.cpu() & ~ties
@@ -415,38 +414,32 @@ class Compare:
             for row, pos in ties.nonzero().tolist():
                 one = torch.zeros_like(ties)
                 one[row, pos] = True
-                if not self._passes(got, want, ref, one if real is None else one & real.cpu(), bound):
+                if self._verdict(got, want, ref, one if real is None else one & real.cpu(), bound) is not None:
                     keep[row, pos:] = False
                     self.tainted.add(rows[row])
-            err, at = per_position_err(got, want, keep)
-            if err <= bound:
-                return
             real = keep
+        failure = self._verdict(got, want, ref, real, bound)
+        if failure is not None:
+            self.failures.append(f"{name}: {failure}")
+
+    def _verdict(self, got, want, ref, real, bound) -> str | None:
+        """The rule of ``values`` on the positions of ``real`` (None: all): None when they pass, else why not."""
+        err, at = per_position_err(got, want, real)
+        if err <= bound:
+            return None
         if self.dtype == torch.float32:
             fused_err, _ = per_position_err(got, ref, real) if ref is not None else (math.inf, None)
             stock_err, _ = per_position_err(want, ref, real) if ref is not None else (0.0, None)
             if fused_err > FP32_FACTOR * stock_err:
-                self.failures.append(f"{name}: rel. error {err:.3g} at (row, position) {at} > {bound:g}; from the "
-                                     f"float64 answer fused {fused_err:.3g} > {FP32_FACTOR:g} x stock's {stock_err:.3g}")
-            return
+                return (f"rel. error {err:.3g} at (row, position) {at} > {bound:g}; from the float64 answer fused "
+                        f"{fused_err:.3g} > {FP32_FACTOR:g} x stock's {stock_err:.3g}")
+            return None
         fused_err, _ = per_position_err(got.float(), ref.float(), real)
         stock_err, _ = per_position_err(want.float(), ref.float(), real)
         if fused_err > LOW_PRECISION_FACTOR * stock_err:
-            self.failures.append(f"{name}: {err:.3g} from stock at {at}; from the fp32 answer fused {fused_err:.3g} > "
-                                 f"{LOW_PRECISION_FACTOR:g} x stock's {stock_err:.3g}")
-
-    def _passes(self, got, want, ref, mask, bound) -> bool:
-        """``values``' rule on the positions of ``mask`` alone."""
-        if not mask.any():
-            return True
-        if per_position_err(got, want, mask)[0] <= bound:
-            return True
-        if ref is None:
-            return False
-        fused_err, _ = per_position_err(got.float(), ref.float(), mask)
-        stock_err, _ = per_position_err(want.float(), ref.float(), mask)
-        factor = FP32_FACTOR if self.dtype == torch.float32 else LOW_PRECISION_FACTOR
-        return fused_err <= factor * stock_err
+            return (f"{err:.3g} from stock at {at}; from the fp32 answer fused {fused_err:.3g} > "
+                    f"{LOW_PRECISION_FACTOR:g} x stock's {stock_err:.3g}")
+        return None
 
     def _ties_of(self, got: torch.Tensor):
         """The router-tie mask of the last call, cut to ``got``'s positions (``logits_to_keep`` keeps the last)."""

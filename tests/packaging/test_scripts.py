@@ -196,8 +196,6 @@ def test_pipeline_text_generation_with_remote_code():
     assert chat[0]["generated_text"][-1]["role"] == "assistant"
 
 
-# The README's CPU setup (requirements.txt: no flash-linear-attention) in a fresh process: the shipped model loaded
-# as stock (no remote code, no routing by this repo's code) and with remote code, each generating greedily.
 def test_benchmark_batch_runs_on_cpu(tmp_path):
     """The generate_batch benchmark's plumbing at the tiny shape on CPU: stock and fused static batches and
     generate_batch (here each request through generate: no GPU) over one seeded workload, stock on a subset."""
