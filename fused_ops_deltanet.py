@@ -562,7 +562,8 @@ if HAS_TRITON:
             b_A = _exp_exact(tl.load(A_log_ptr + o_v, mask=m_hv, other=0.0).to(tl.float32), ON_GPU)
             b_a = b_a.to(tl.float32) + tl.load(dt_bias_ptr + o_v, mask=m_hv, other=0.0).to(tl.float32)[None, :]
             o_bt = (i_b * T + o_t)[:, None] * HV + o_v[None, :]
-            tl.store(beta_ptr + o_bt, tl.sigmoid(b_b.to(tl.float32)), mask=m_v)
+            # beta = sigmoid(b) rounded to b's dtype, as stock's `b.sigmoid()` (its rule reads that, in fp32)
+            tl.store(beta_ptr + o_bt, _round_to(tl.sigmoid(b_b.to(tl.float32)), b_ptr.dtype.element_ty), mask=m_v)
             tl.store(g_ptr + o_bt, -b_A[None, :] * _softplus(b_a, ON_GPU), mask=m_v)
 
 
@@ -600,7 +601,8 @@ def deltanet_prep(
 
     Returns:
         `(q, k, v, beta, g)`: q, k [B, T, num_k_heads, head_k_dim] and v [B, T, HV, head_v_dim], contiguous, in
-        x.dtype (q and k normalised); beta and g [B, T, HV] float32, contiguous. They are fla's rule's inputs with
+        x.dtype (q and k normalised); beta and g [B, T, HV] float32, contiguous (beta rounded to b's dtype first,
+        as stock's `b.sigmoid()`). They are fla's rule's inputs with
         `use_qk_l2norm_in_kernel=False`, `use_beta_sigmoid_in_kernel=False`, `use_gate_in_kernel=False`.
 
     Replaces, in `Qwen3_5GatedDeltaNet.forward` without a cached state, `F.silu(self.conv1d(mixed_qkv)[..., :T])`,
@@ -668,8 +670,8 @@ def deltanet_prep_ref(
     head_v_dim: int,
     eps: float = _GDR_L2_EPS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain-torch `deltanet_prep`: stock's conv1d + SiLU, then fla's L2 norm (fp32), beta sigmoid (fp32) and
-    stock's gate (fp32)."""
+    """Plain-torch `deltanet_prep`: stock's conv1d + SiLU, then fla's L2 norm (fp32), stock's beta (`b.sigmoid()`
+    in b's dtype, as float32) and stock's gate (fp32)."""
     B, T, C = x.shape
     W = weight.shape[1]
     y = torch.nn.functional.conv1d(x.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), bias, padding=W - 1,
@@ -684,7 +686,7 @@ def deltanet_prep_ref(
 
     v = v.reshape(B, T, -1, head_v_dim).contiguous()
     g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
-    return l2(q), l2(k), v, b.float().sigmoid(), g
+    return l2(q), l2(k), v, b.sigmoid().float(), g
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ Error bounds (relative), and why:
 - bf16 <= 1e-2, fp16 <= 1e-3: the kernels round where stock rounds (conv output, SiLU, the normalised q / k; the
   gated norm's normalised x, weight product and output), so only those wobbles flipping a rounding decision remain,
   one unit in the last place of an element at most. Measured on CPU against the references: 0.
-- v (a rounded conv + SiLU), beta (an fp32 sigmoid) and the gate g (fp32, stock's
+- v (a rounded conv + SiLU), beta (stock's `b.sigmoid()`, rounded to b's dtype) and the gate g (fp32, stock's
   `-A_log.float().exp() * softplus(a.float() + dt_bias)`) are compared with the same bounds; g also at gate inputs
   down to -40, where fla's approximate in-kernel softplus was off (`test_gate_matches_torch_where_exp_is_tiny_*`).
 """
@@ -84,7 +84,8 @@ def stock_gate(a, A_log, dt_bias):
 
 
 def stock_prep(x, weight, b, a, A_log, dt_bias, HK, DK, DV):
-    """Stock's conv + SiLU ([B, C, T] layout), split, q / k `l2norm` (fla's eps), beta = sigmoid(b) in fp32."""
+    """Stock's conv + SiLU ([B, C, T] layout), split, q / k `l2norm` (fla's eps), `beta = b.sigmoid()` (b's dtype),
+    the gate."""
     B, T, C = x.shape
     y = STOCK_CONV(x.transpose(1, 2), weight, None, activation="silu").transpose(1, 2)
     q, k, v = torch.split(y, [HK * DK, HK * DK, C - 2 * HK * DK], dim=-1)
@@ -92,7 +93,7 @@ def stock_prep(x, weight, b, a, A_log, dt_bias, HK, DK, DV):
     def l2(t):  # fla's l2norm (the path stock takes on the GPU): fp32 over the rounded conv output
         return STOCK_L2NORM(t.reshape(B, T, HK, DK).float(), dim=-1, eps=1e-6).to(x.dtype)
 
-    return l2(q), l2(k), v.reshape(B, T, -1, DV), b.float().sigmoid(), stock_gate(a, A_log, dt_bias)
+    return l2(q), l2(k), v.reshape(B, T, -1, DV), b.sigmoid().float(), stock_gate(a, A_log, dt_bias)
 
 
 def check_prep(device, dtype, B, T, HK, DK, HV, DV):
