@@ -100,6 +100,8 @@ class DecodeState:
         self.owner = None
         self.prefill_graphs = {}  # prompt-length bucket -> _PrefillGraph
         self.prefill_calls = {}  # prompt-length bucket -> prefills seen (captured on the second)
+        self.verify_graphs = {}  # verify length T -> _VerifyGraph once captured; False after a failed capture
+        self.verify_calls = {}  # verify length T -> verify passes seen (captured on the second)
 
     @classmethod
     def view_rows(cls, parent: "DecodeState", rows: int) -> "DecodeState":
@@ -167,6 +169,14 @@ class DecodeState:
     def drop_graph(self) -> None:
         self.graph, self.graph_out, self.graph_weights, self.graph_head, self.warm = None, None, None, None, False
         self.prefill_graphs, self.prefill_calls = {}, {}
+        self.verify_graphs, self.verify_calls = {}, {}
+
+    def stale_graphs(self) -> bool:
+        """True when a parameter or submodule that a captured graph of this state (the step, a verify pass) reads was
+        replaced since its capture (checked once per ``generate`` call, not per step)."""
+        snapshots = [self.graph_weights] if self.graph else []
+        snapshots += [entry.weights for entry in self.verify_graphs.values() if entry]
+        return any(not snapshot.unchanged() for snapshot in snapshots)
 
     def load_positions(self, position_ids, past: int, seq_len: int, advance: int) -> None:
         """Set ``positions`` [3, B, 1] to the last of ``position_ids`` plus ``advance``, reading them as stock's text
@@ -386,6 +396,31 @@ class DecodeState:
         self.positions.copy_(verified.positions + keep + 1)
         self.key_valid[:, first_slot + keep + 1 : first_slot + T] = False
 
+    def verify_graphed(self, text_model, tokens: torch.Tensor, run, head: nn.Module, use_graph: bool):
+        """``run(tokens)`` (a :meth:`verify` pass and the LM head over its rows: ``(logits, Verified)``), from one CUDA
+        graph per verify length T: a T's first pass runs eagerly (it warms every kernel), the second is captured, every
+        later one copies ``tokens`` [B, T] into the graph's input and replays. What it returns lives in the graph's
+        memory until the next replay of that T (the speculative loop reads it and rolls back before its next verify).
+        Eager off CUDA, without ``use_graph``, and after a failed capture (announced once)."""
+        T = tokens.shape[1]
+        entry = self.verify_graphs.get(T)
+        if entry is None and use_graph and self.device.type == "cuda":
+            self.verify_calls[T] = calls = self.verify_calls.get(T, 0) + 1
+            if calls >= 2:
+                static = tokens.clone()
+                captured = capture_graph(text_model, lambda: run(static), None,
+                                         f"speculative verify step ({T} tokens)", warm=False)
+                self.verify_graphs[T] = entry = False if captured is None else _VerifyGraph(
+                    captured[0], static, captured[1], WeightsSnapshot(text_model, head))
+                if entry:
+                    entry.graph.replay()
+                    return entry.out
+        if not entry:
+            return run(tokens)
+        entry.tokens.copy_(tokens)
+        entry.graph.replay()
+        return entry.out
+
     # -- driving it --------------------------------------------------------------------------------------------------
 
     def decode(self, text_model, use_graph: bool, head: nn.Linear | None = None) -> torch.Tensor:
@@ -420,6 +455,16 @@ class DecodeState:
         self.graph_weights, self.graph_head = WeightsSnapshot(*roots), head
         self.graph.replay()
         return self.graph_out
+
+
+class _VerifyGraph(NamedTuple):
+    """One verify length's captured pass: the graph, its input tokens [B, T] (copied in before each replay), its
+    output ``(logits, Verified)`` and the weights it read (``WeightsSnapshot``)."""
+
+    graph: "torch.cuda.CUDAGraph"
+    tokens: torch.Tensor
+    out: tuple
+    weights: WeightsSnapshot
 
 
 class Verified(NamedTuple):

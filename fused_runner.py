@@ -159,8 +159,8 @@ class FusedRunner:
         if state is None:
             state = DecodeState(text_model, self.plan, batch, max_len)
             self.decode_states.put(key, state)
-        elif state.graph and not state.graph_weights.unchanged():
-            state.drop_graph()  # a parameter was replaced since the capture: capture again
+        elif state.stale_graphs():
+            state.drop_graph()  # a parameter was replaced since a capture: capture again
         if self.plan.cuda_graphs and self.plan.multi_device:
             announce(
                 "decode-graph/multi-device",

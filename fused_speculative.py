@@ -42,9 +42,9 @@ from .fused_generate import finish_generate, stop_rows
 
 SPECULATIVE_TOKENS_FIELD = "mtp_speculative_tokens"  # the config / generation-config field and generate() argument
 # Drafted tokens a round when neither the call nor the config says, on a GPU (0 on CPU, where the fused path is only
-# the tests' emulation). 0: speculation is opt-in until the H200 runs its CUDA tests and measures it faster for the
-# call shape (the verify pass and the head run eagerly, beside a decode step that is one CUDA graph); then 2, as
-# vLLM's and SGLang's Qwen3-Next / Qwen3.5 MTP examples set num_speculative_tokens.
+# the tests' emulation). 0: speculation is opt-in until the H200 measures it faster for the call shape (the verify
+# pass runs from a CUDA graph per length, the head eagerly); then 2, as vLLM's and SGLang's Qwen3-Next / Qwen3.5 MTP
+# examples set num_speculative_tokens.
 DEFAULT_SPECULATIVE_TOKENS = 0
 # `generate(..., mtp_speculative_tokens=k)` for the call in progress (None: not given): the model's generate takes the
 # argument (stock's model-kwargs check would refuse it) and its `_sample` hook reads it.
@@ -88,7 +88,8 @@ def describe_speculative(model) -> dict:
         "tokens": k if reason is None else 0,
         "path": ("generate() drafts k tokens a round with the head (chained on its own hidden state), verifies them in "
                  "one fused pass over k + 1 tokens (each linear once over the rows, the DeltaNet / attention steps "
-                 "token by token, the state after each token kept for the rollback) and emits the accepted prefix "
+                 "token by token, the state after each token kept for the rollback; one CUDA graph per k + 1 with "
+                 "cuda_graphs on) and emits the accepted prefix "
                  "plus the model's next token; greedy: the non-speculative tokens, sampling: standard speculative "
                  "sampling" if reason is None else "off"),
         "falls_back": "batch > 1, a padded prompt, inputs_embeds, a model split over devices (non-speculative fused "
@@ -145,23 +146,27 @@ def override_drafts(fn):
 
 def verify_logits(model, text_model, cache: FusedDecodeCache, tokens: torch.Tensor):
     """The verify pass over ``tokens`` [B, T] on ``cache``: ``(logits [B, T, vocab] in the model's dtype, the
-    ``Verified`` record)``. The LM head runs over the T rows through ``small_linear`` when it is a plain bias-free
-    ``nn.Linear`` in the hidden state's dtype (as ``fused_generate.step_logits``), else as it is."""
+    ``Verified`` record)``, from the state's CUDA graph for T when the cache runs graphs
+    (``DecodeState.verify_graphed``: both live in the graph's memory until its next replay). The LM head runs over the
+    T rows through ``small_linear`` when it is a plain bias-free ``nn.Linear`` in the hidden state's dtype (as
+    ``fused_generate.step_logits``), else as it is."""
     st = cache._buffers()
     if cache._seq_len + cache._pad + tokens.shape[1] > st.max_len:
         raise ValueError(f"The fused decode cache holds {st.max_len} tokens; a verify step of {tokens.shape[1]} "
                          f"after {cache._seq_len + cache._pad} does not fit.")
-    verified = st.verify(text_model, tokens.to(st.device))
-    hidden = verified.hidden
     head = model.lm_head
-    weight = getattr(head, "weight", None)
-    plain = type(head) is nn.Linear and head.bias is None
-    if plain and weight.dtype == hidden.dtype and weight.device == hidden.device:
-        B, T = tokens.shape
-        logits = st.ops.small_linear(hidden.reshape(B * T, -1), weight).view(B, T, -1)
-    else:
-        logits = head(hidden)
-    return logits, verified
+
+    def run(step_tokens):
+        verified = st.verify(text_model, step_tokens)
+        hidden = verified.hidden
+        weight = getattr(head, "weight", None)
+        if (type(head) is nn.Linear and head.bias is None and weight.dtype == hidden.dtype
+                and weight.device == hidden.device):
+            B, T = step_tokens.shape
+            return st.ops.small_linear(hidden.reshape(B * T, -1), weight).view(B, T, -1), verified
+        return head(hidden), verified
+
+    return st.verify_graphed(text_model, tokens.to(st.device), run, head, cache._use_graph)
 
 
 def _draft(model, mtp_cache: DynamicCache, pending_hidden, pending_tokens, k: int, input_ids, logits_processor,
@@ -269,7 +274,7 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
         if scores is not None:
             scores += tuple(p_scores[:, :emitted].unbind(1))
         if raw_logits is not None:
-            raw_logits += tuple(p_logits[:, :emitted].float().unbind(1))
+            raw_logits += tuple(p_logits[:, :emitted].to(torch.float32, copy=True).unbind(1))  # graph memory
         if streamer is not None:
             for j in range(emitted):
                 streamer.put(tokens[:, j].cpu())

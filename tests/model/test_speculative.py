@@ -531,3 +531,31 @@ def test_gpu_greedy_bf16_diverges_no_earlier_than_non_speculative():
             plain = model.generate(ids, max_new_tokens=64, do_sample=False, mtp_speculative_tokens=0)
             out = model.generate(ids, max_new_tokens=64, do_sample=False, mtp_speculative_tokens=2)
             assert _first_divergence(out, reference) >= _first_divergence(plain, reference)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_gpu_verify_graphs_give_the_non_speculative_tokens_and_cache(moe):
+    """fp32, a random model and head on the GPU, drafts half right (rollbacks to every prefix): the verify pass runs
+    from its CUDA graph per length (captured on that length's second pass, replayed after), and the tokens and the
+    returned cache are the non-speculative ones; after a weight is replaced, the next call captures again and follows
+    the new weights (a stale graph would still read the old ones)."""
+    _, fused = _pair(moe)
+    fused = fused.cuda()
+    ids = _prompt().cuda()
+    with torch.no_grad():
+        for change in (False, True):
+            if change:
+                mlp = fused.model.layers[0].mlp
+                proj = mlp.down_proj if hasattr(mlp, "down_proj") else mlp.shared_expert.down_proj
+                proj.weight = torch.nn.Parameter(proj.weight * -1.5)
+            plain = fused.generate(ids, max_new_tokens=30, mtp_speculative_tokens=0, **GREEDY)
+            for k in (1, 3):
+                for _ in range(2):  # the second call replays graphs captured by the first
+                    with spec.record_rounds() as rounds, spec.override_drafts(_oracle(plain.sequences.cpu(), 0.5, k)):
+                        out = fused.generate(ids, max_new_tokens=30, mtp_speculative_tokens=k, **GREEDY)
+                    assert torch.equal(out.sequences, plain.sequences), (change, k)
+                    assert any(0 < n for _, n in rounds) and any(n < d for d, n in rounds), rounds
+                    states = fused._text_model().runner.decode_states.values()
+                    assert any(state.verify_graphs.get(k + 1) for state in states), k
+                    assert_caches_close(cache_of(out), cache_of(plain), fused.config.layer_types, CACHE_BOUND)
