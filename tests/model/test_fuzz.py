@@ -111,10 +111,15 @@ def test_tokens_may_part_only_at_a_near_tie_where_the_logits_pass():
     assert not fp32.failures, fp32.failures  # an fp32 near-tie may part
 
 
+GPU_CASES = 16  # the GPU slice: cases drawn from 8 pooled configs (their kernels compile once)
+
+
 @pytest.mark.cuda
 def test_a_fixed_seed_slice_finds_nothing_on_the_gpu():
-    out = fuzz.search(seed=2026, device="cuda", minutes=2, shrink_budget=4, pool=8, log=print)
-    assert out["cases"] > 10
+    """A fixed count, not a time: under a loaded machine (the suite's parallel processes) a two-minute slice ran one
+    case, which says nothing."""
+    out = fuzz.search(seed=2026, device="cuda", cases=GPU_CASES, shrink_budget=4, pool=8, log=print)
+    assert out["cases"] == GPU_CASES
     assert not out["failures"], [f["failures"][0] + "\n" + f["command"] for f in out["failures"]]
 
 

@@ -517,20 +517,29 @@ def test_gpu_greedy_fp32_equal_non_speculative():
 
 @pytest.mark.cuda
 def test_gpu_greedy_bf16_diverges_no_earlier_than_non_speculative():
-    """bf16: against the fp32 non-speculative tokens, the speculative bf16 tokens diverge no earlier than the
-    non-speculative bf16 ones (the verify pass rounds as the step does, up to GEMM order)."""
+    """bf16, 12 held-out prompts: against the fp32 non-speculative tokens, the speculative bf16 tokens (k = 2) part
+    no earlier on average than the non-speculative bf16 ones, up to the spread of that average. The verify pass sums
+    each linear over k + 1 rows where a step sums one, so a prompt's first parting moves either way (one H200 run: the
+    54th new token against none in 64 on one prompt); a verify pass that computed wrong values would part within a
+    few tokens everywhere."""
     from transformers import AutoTokenizer
 
     reference_model = _shipped_on_gpu(torch.float32)
     model = _shipped_on_gpu(torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(REPO))
+    new, spec_at, plain_at = 64, [], []
     with torch.no_grad():
-        for ids in _heldout_prompts(tokenizer):
+        for ids in _heldout_prompts(tokenizer, count=12):
             ids = ids.cuda()
-            reference = reference_model.generate(ids, max_new_tokens=64, do_sample=False, mtp_speculative_tokens=0)
-            plain = model.generate(ids, max_new_tokens=64, do_sample=False, mtp_speculative_tokens=0)
-            out = model.generate(ids, max_new_tokens=64, do_sample=False, mtp_speculative_tokens=2)
-            assert _first_divergence(out, reference) >= _first_divergence(plain, reference)
+            reference = reference_model.generate(ids, max_new_tokens=new, do_sample=False, mtp_speculative_tokens=0)
+            plain = model.generate(ids, max_new_tokens=new, do_sample=False, mtp_speculative_tokens=0)
+            out = model.generate(ids, max_new_tokens=new, do_sample=False, mtp_speculative_tokens=2)
+            plain_at.append(_first_divergence(plain, reference) - ids.shape[1])
+            spec_at.append(_first_divergence(out, reference) - ids.shape[1])
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    spread = (sum((a - b) ** 2 for a, b in zip(spec_at, plain_at)) / len(spec_at)) ** 0.5 / len(spec_at) ** 0.5
+    print("first parting (new tokens), speculative:", spec_at, "non-speculative:", plain_at)
+    assert mean(spec_at) >= mean(plain_at) - 2 * spread - 1, (spec_at, plain_at)
 
 
 @pytest.mark.cuda
