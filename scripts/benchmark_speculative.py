@@ -9,9 +9,12 @@ Random weights draft nothing the model would say, so the acceptance is set inste
 gives the model's own tokens, and in the speculative run each draft of the head is replaced, after the head has run
 and before the verify pass (``fused_speculative.override_drafts``), by the model's own token at that position with
 probability ``a``, else by another token. The work of a round is unchanged (the head runs in full, the verify pass
-over k + 1 tokens costs the same whatever they are); only which tokens are accepted is set. Greedy speculative output
-equals the non-speculative one, so the replaced drafts are accepted exactly as a head that drafts right with
-probability ``a`` would be.
+over k + 1 tokens costs the same whatever they are); only which tokens are accepted is set. In fp32 greedy speculative output
+equals the non-speculative one (a difference raises), so the replaced drafts are accepted exactly as a head that
+drafts right with probability ``a`` would be. In bf16 / fp16 the verify pass sums each linear over k + 1 rows where a
+step sums one, and a random model's near-ties can then part the two runs (an H200 4B bf16 run did); past the parting
+the reference tokens are no longer the model's, so the realized acceptance falls below the set one. Both are
+reported, with the first parting (new tokens).
 
 Reports, per shape, for the non-speculative fused decode and for each (k, a): ms per emitted token, (time of N new
 tokens - time of 1) / (N - 1), median of --repeats; the realized acceptance (accepted / drafted); tokens per verify
@@ -103,13 +106,17 @@ def run_shape(shape: str, args, device, dtype, ceilings: dict) -> dict:
                 values = per_token_ms(model, ids, args.new_tokens, k, device, args.repeats)
                 rounds.clear()
                 _, out = timed_generate(model, ids, args.new_tokens, k, device)
-            if not torch.equal(out.cpu(), reference):
-                raise RuntimeError(f"{shape} k={k} a={rate}: speculative greedy tokens differ from non-speculative")
+            parted = (out.cpu() != reference).flatten().nonzero()
+            parting = int(parted[0]) - args.prompt_len if len(parted) else None
+            if parting is not None and dtype == torch.float32:
+                raise RuntimeError(f"{shape} k={k} a={rate}: fp32 speculative greedy tokens differ from "
+                                   f"non-speculative at new token {parting}")
             drafted, accepted = sum(d for d, _ in rounds), sum(n for _, n in rounds)
             row["speculative"][f"k{k}-a{rate}"] = {
                 "k": k, "acceptance_set": rate, "ms_per_token": statistics.median(values), "runs": values,
                 "acceptance": accepted / drafted if drafted else None,
                 "tokens_per_round": (args.new_tokens - 1) / len(rounds) if rounds else None,
+                "first_parting": parting,
             }
             benchmark_latency.log(f"{shape} k={k} a={rate}: {statistics.median(values):.3f} ms/token "
                                   f"(plain {row['plain']['ms_per_token']:.3f})")
@@ -120,16 +127,17 @@ def run_shape(shape: str, args, device, dtype, ceilings: dict) -> dict:
 
 
 def to_markdown(results: dict) -> str:
-    lines = ["| model | k | a set | a realized | tokens / round | ms / token | plain ms / token | speed-up | "
-             "floor ms | / floor |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | k | a set | a realized | parts at | tokens / round | ms / token | plain ms / token | speed-up | "
+             "floor ms | / floor |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, row in results["models"].items():
         plain, floor = row["plain"]["ms_per_token"], row["floor_ms"]
-        lines.append(f"| {shape} | 0 | - | - | 1 | {plain:.3f} | {plain:.3f} | 1.00x | "
+        lines.append(f"| {shape} | 0 | - | - | - | 1 | {plain:.3f} | {plain:.3f} | 1.00x | "
                      + (f"{floor:.3f} | {plain / floor:.2f}x |" if floor else "- | - |"))
         for r in row["speculative"].values():
             realized = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
             per_round = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] is not None else "-"
-            lines.append(f"| {shape} | {r['k']} | {r['acceptance_set']} | {realized} | {per_round} | "
+            parts = "-" if r.get("first_parting") is None else str(r["first_parting"])
+            lines.append(f"| {shape} | {r['k']} | {r['acceptance_set']} | {realized} | {parts} | {per_round} | "
                          f"{r['ms_per_token']:.3f} | {plain:.3f} | {plain / r['ms_per_token']:.2f}x | "
                          + (f"{floor:.3f} | {r['ms_per_token'] / floor:.2f}x |" if floor else "- | - |"))
     return "\n".join(lines) + "\n"

@@ -48,6 +48,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -851,7 +852,7 @@ def run_workers(argv: list[str], workers: int, seed: int, log=print) -> dict:
     different seeds never overlap), each on ``cpu_count // workers`` threads; their summaries merged: cases, rate,
     failures, and one coverage table over every case drawn."""
     threads = str(max(1, (os.cpu_count() or 1) // workers))
-    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
     rest, skip = [], False
     for i, a in enumerate(argv):  # this run's arguments, less those the workers are given their own of
         if skip:
@@ -867,15 +868,27 @@ def run_workers(argv: list[str], workers: int, seed: int, log=print) -> dict:
             cmd = [sys.executable, __file__, *rest, "--seed", str(seed * 100 + i), "--out", str(out), "--drawn"]
             procs.append((out, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                 text=True)))
+        # each worker's failures and progress lines passed on as they come, so that a run cut short (a device call's
+        # time limit) still shows what it found and how far it got
+        texts = [[] for _ in procs]
+
+        def relay(i, proc):
+            for line in proc.stdout:
+                texts[i].append(line.rstrip("\n"))
+                if line.startswith(("FAIL", "  reproduce:", "  shrunk:")) or " cases, " in line:
+                    log(f"[worker {i}] {line.rstrip()}")
+                    sys.stdout.flush()
+
+        readers = [threading.Thread(target=relay, args=(i, proc), daemon=True) for i, (_, proc) in enumerate(procs)]
+        for reader in readers:
+            reader.start()
         parts = []
         for i, (out, proc) in enumerate(procs):
-            text, _ = proc.communicate()
-            for line in text.splitlines():
-                if line.startswith(("FAIL", "  reproduce:", "  shrunk:")):
-                    log(f"[worker {i}] {line}")
+            proc.wait()
+            readers[i].join()
             if not out.exists():
                 raise RuntimeError(f"fuzz worker {i} (seed {seed * 100 + i}) ended without a summary (exit "
-                                   f"{proc.returncode}); its output ends:\n" + "\n".join(text.splitlines()[-20:]))
+                                   f"{proc.returncode}); its output ends:\n" + "\n".join(texts[i][-20:]))
             parts.append(json.loads(out.read_text()))
     drawn = [c for p in parts for c in p["drawn"]]
     minutes = max(p["minutes"] for p in parts)
