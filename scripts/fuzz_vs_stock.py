@@ -316,6 +316,36 @@ def router_gaps(model, into: list):
 
 
 @contextlib.contextmanager
+def router_choices(model, into: list):
+    """While active, each forward of ``model``'s MoE routers appends the experts it picked ([N, k], sorted, on the
+    CPU; N the tokens it saw, flattened)."""
+    hooks = [module.register_forward_hook(lambda m, a, out: into.append(out[2].sort(-1).values.cpu()))
+             for name, module in model.named_modules() if name.endswith("mlp.gate") and hasattr(module, "top_k")]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def routed_apart(stock_ids: list, fused_ids: list, shape) -> torch.Tensor:
+    """[B, T] bool: the tokens some router sent to other experts in the fused model than in stock. Stock's routers see
+    the B * T tokens of the call; the fused path's see the same, or each row left-padded to its length bucket (its
+    captured forward), whose last T tokens are the row's. Where the calls cannot be matched, every token counts as
+    routed apart (the comparison then leaves out every tied token's row from there on)."""
+    B, T = shape
+    apart = torch.zeros(B, T, dtype=torch.bool)
+    if not stock_ids or len(stock_ids) != len(fused_ids):
+        return ~apart
+    for s, f in zip(stock_ids, fused_ids):
+        if s.shape[0] != B * T or f.shape[0] % B or f.shape[0] // B < T or s.shape[1:] != f.shape[1:]:
+            return ~apart
+        f = f.view(B, f.shape[0] // B, -1)[:, -T:]
+        apart |= (s.view(B, T, -1) != f).any(-1)
+    return apart
+
+
+@contextlib.contextmanager
 def stock_reference(ieee: bool):
     """With ``ieee`` (fp32, and the float32 answer): stock's own torch DeltaNet code (fla's chunked rule is TF32; on
     CPU also what runs without fla's Triton kernels) and its attention through SDPA's math backend on a GPU (the
@@ -377,6 +407,7 @@ class Compare:
         self.failures: list[str] = []
         self.checks = 0
         self.ties = None  # [B, T] tokens of the last call at a router tie (``ROUTER_TIE``), or None
+        self.apart = None  # [B, T] those of them the fused model routed to other experts than stock did, or None
         self.tied_tokens = 0
         self.tainted: set[int] = set()  # rows routed apart at a tie: left out from there on (``ROUTER_TIE``)
 
@@ -392,7 +423,11 @@ class Compare:
             self.failures.append(f"{name}: non-finite values where stock's are finite")
             return
         ties = self._ties_of(got) if not whole else None
+        apart = self._ties_of(got, self.apart, before=True) if not whole else None
         rows = list(range(got.shape[0]))  # the rows compared: all but those routed apart at a tie earlier
+        if whole and self.apart is not None and self.apart.shape[0] == got.shape[0]:
+            # a state after a call whose tied token went to other experts: that row is left out from the call on
+            self.tainted |= set(self.apart.any(dim=1).nonzero().flatten().tolist())
         if self.tainted and (whole or got.dim() >= 3):
             rows = [r for r in rows if r not in self.tainted]
             if not rows:
@@ -402,6 +437,7 @@ class Compare:
             ref = None if ref is None else ref[index.to(ref.device)]
             real = None if real is None else real[index.to(real.device)]
             ties = None if ties is None else ties[index]
+            apart = None if apart is None else apart[index]
         if whole:  # one vector: the whole tensor
             got, want, ref = (None if t is None else t.reshape(1, 1, -1) for t in (got, want, ref))
         elif got.dim() == 2:
@@ -409,15 +445,21 @@ class Compare:
         bound = FP32_BOUND[self.device.type] if self.dtype == torch.float32 else LOW_PRECISION_BOUND[self.dtype]
         if per_position_err(got, want, real)[0] <= bound:
             return
-        if ties is not None and ties.any():  # leave the tokens at a router tie out, count the rest
-            keep = ~ties if real is None else real.cpu() & ~ties
-            # a tied token routed apart (its own output fails) moves its row from there on: leave that out too
-            for row, pos in ties.nonzero().tolist():
-                one = torch.zeros_like(ties)
-                one[row, pos] = True
-                if self._verdict(got, want, ref, one if real is None else one & real.cpu(), bound) is not None:
-                    keep[row, pos:] = False
-                    self.tainted.add(rows[row])
+        if ties is not None and (ties.any() or (apart is not None and apart.any())):
+            keep = ~ties if real is None else real.cpu() & ~ties  # the tokens at a router tie left out
+            # a tied token routed apart moves its row from there on: leave that out too. Routed apart: seen in the
+            # routers' choices (``apart``; a tie before the positions compared, cut off by logits_to_keep, starts the
+            # row), or, where they could not be matched, the token's own output fails
+            starts = {} if apart is None else {row: max(pos, 0) for row, pos in reversed(apart.nonzero().tolist())}
+            if apart is None:
+                for row, pos in ties.nonzero().tolist():
+                    one = torch.zeros_like(ties)
+                    one[row, pos] = True
+                    if self._verdict(got, want, ref, one if real is None else one & real.cpu(), bound) is not None:
+                        starts.setdefault(row, pos)
+            for row, pos in starts.items():
+                keep[row, pos:] = False
+                self.tainted.add(rows[row])
             real = keep
         failure = self._verdict(got, want, ref, real, bound)
         if failure is not None:
@@ -442,11 +484,17 @@ class Compare:
                     f"{LOW_PRECISION_FACTOR:g} x stock's {stock_err:.3g}")
         return None
 
-    def _ties_of(self, got: torch.Tensor):
-        """The router-tie mask of the last call, cut to ``got``'s positions (``logits_to_keep`` keeps the last)."""
-        if self.ties is None or self.ties.shape[0] != got.shape[0] or self.ties.shape[1] < got.shape[1]:
+    def _ties_of(self, got: torch.Tensor, mask=None, before: bool = False):
+        """A [B, T] mask of the last call (the router ties; or ``mask``) cut to ``got``'s positions (``logits_to_keep``
+        keeps the last); with ``before``, a row marked before them is marked at their first."""
+        mask = self.ties if mask is None and not before else mask
+        if mask is None or mask.shape[0] != got.shape[0] or mask.shape[1] < got.shape[1]:
             return None
-        return self.ties[:, self.ties.shape[1] - got.shape[1]:]
+        cut = mask.shape[1] - got.shape[1]
+        out = mask[:, cut:].clone()
+        if before and cut:
+            out[:, 0] |= mask[:, :cut].any(dim=1)
+        return out
 
     def tokens(self, name: str, got: torch.Tensor, want: torch.Tensor, step_logits=None) -> None:
         """Generated tokens: they may part only at a step whose logits pass ``values``, and only to a token whose stock
@@ -455,14 +503,24 @@ class Compare:
         (``step_logits(row, position)``: fused, stock and float32-answer logits [1, 1, vocab] over the common
         prefix)."""
         self.checks += 1
-        if got.shape != want.shape:
+        n = min(got.shape[-1], want.shape[-1])
+        if got.shape[:-1] != want.shape[:-1]:
             self.failures.append(f"{name}: {tuple(got.shape)} tokens, stock {tuple(want.shape)}")
             return
-        diff = (got != want).nonzero()
-        if diff.numel() == 0:
+        parted = got[:, :n] != want[:, :n]
+        if not parted.any():
+            if got.shape != want.shape:  # the same tokens, and one stopped where the other went on
+                self.failures.append(f"{name}: {tuple(got.shape)} tokens, stock {tuple(want.shape)}, equal over the "
+                                     "common length")
             return
-        row, pos = (int(v) for v in diff[0])
-        if step_logits is not None:  # a parting only at a near-tie, where that step's logits pass
+        # each row that parts is judged at its first parting (a near-tie there may also end one side early, at an EOS,
+        # so the lengths may differ); what follows a parting depends on it and is not compared
+        for row in parted.any(dim=1).nonzero().flatten().tolist():
+            pos = int(parted[row].nonzero()[0])
+            if step_logits is None:
+                self.failures.append(f"{name}: row {row} parts from stock at position {pos} ({int(got[row, pos])} vs "
+                                     f"{int(want[row, pos])})")
+                continue
             g, w, a = step_logits(row, pos)
             failed = len(self.failures)
             self.values(f"{name}: logits where row {row} parts from stock (position {pos})", g, w, a)
@@ -478,9 +536,6 @@ class Compare:
                     self.failures.append(f"{name}: row {row} parts from stock at position {pos} with token "
                                          f"{int(got[row, pos])}, whose stock logit is {margin:.3g} below stock's best "
                                          f"(> 2 x the rounding there, {tol:.3g})")
-            return
-        self.failures.append(f"{name}: row {row} parts from stock at position {pos} ({int(got[row, pos])} vs "
-                             f"{int(want[row, pos])})")
 
     def equal(self, name: str, got, want) -> None:
         self.checks += 1
@@ -526,7 +581,8 @@ def run_case(case: dict) -> list[str]:
 
     def both(fn):
         with torch.inference_mode():
-            with stock_reference(ieee):
+            stock_ids, fused_ids = [], []
+            with stock_reference(ieee), router_choices(stock, stock_ids):
                 try:
                     want = fn(stock)
                 except Exception as err:  # noqa: BLE001 - not a valid call: nothing to compare
@@ -540,7 +596,11 @@ def run_case(case: dict) -> list[str]:
                 check.tied_tokens += int(ties.sum())
             else:
                 check.ties = None
-            return fn(fused), want, answer
+            with router_choices(fused, fused_ids):
+                got = fn(fused)
+            check.apart = None if check.ties is None else check.ties & routed_apart(stock_ids, fused_ids,
+                                                                                   check.ties.shape)
+            return got, want, answer
 
     if kind in ("forward", "forward_padded", "hidden_states"):
         kw = {"input_ids": ids, "attention_mask": mask, "use_cache": call.get("use_cache", False)}

@@ -205,6 +205,59 @@ def test_a_token_routed_apart_at_a_tie_excuses_the_rest_of_its_row_only():
     assert not held.failures and not held.tainted
 
 
+def test_routed_apart_is_read_from_the_routers_choices(monkeypatch):
+    """The experts each router picked, recorded in stock and in the fused model (CPU emulation) on the same MoE
+    forward: the fused path's bucket-padded rows are matched to stock's tokens (nothing apart in fp32, where no token
+    is near a tie), and one token sent elsewhere is found at its place."""
+    monkeypatch.setattr(plan_mod, "EMULATE_ON_CPU", True)
+    case = fuzz.draw_case(7, "cpu", dtypes=("fp32",), moe=1.0)
+    case["call"] = {"kind": "forward_padded", "batch": 2, "length": 37, "padding": "right", "data_seed": 5}
+    stock, fused, _ = fuzz.build_pair(case, torch.device("cpu"))
+    ids, mask = fuzz.make_inputs(case["call"], case["config"]["vocab_size"], "cpu")
+    stock_ids, fused_ids = [], []
+    with torch.inference_mode(), fuzz.stock_reference(True):
+        with fuzz.router_choices(stock, stock_ids):
+            stock(input_ids=ids, attention_mask=mask)
+        with fuzz.router_choices(fused, fused_ids):
+            fused(input_ids=ids, attention_mask=mask)
+    assert stock_ids and len(stock_ids) == len(fused_ids)
+    assert fused_ids[0].shape[0] > stock_ids[0].shape[0]  # the fused rows were padded to their bucket
+    assert not fuzz.routed_apart(stock_ids, fused_ids, ids.shape).any()
+    moved = [f.clone() for f in fused_ids]
+    B, L = ids.shape[0], moved[1].shape[0] // ids.shape[0]
+    moved[1].view(B, L, -1)[1, L - ids.shape[1] + 4] += 1  # row 1, position 4, one router
+    apart = fuzz.routed_apart(stock_ids, moved, ids.shape)
+    assert apart.nonzero().tolist() == [[1, 4]]
+    assert fuzz.routed_apart(stock_ids, moved[:-1], ids.shape).all()  # calls that cannot be matched: all
+
+
+def test_a_tie_routed_apart_before_the_kept_logits_leaves_its_row_out():
+    """``logits_to_keep`` hides a tied token's own output: whether it was routed apart is read from the routers. Routed
+    apart, its row is left out of the kept positions (and of later comparisons); routed alike, the row counts."""
+    want = torch.randn(2, 1, 16, dtype=torch.float64)
+    got = want.clone()
+    got[0] *= 1 + 3e-2
+    ties = torch.tensor([[False, True, False, False], [False] * 4])
+    for apart, fails in ((ties, False), (torch.zeros_like(ties), True)):
+        check = fuzz.Compare({"dtype": "fp32"}, torch.device("cpu"))
+        check.ties, check.apart = ties, apart
+        check.values("logits", got, want, want)
+        assert bool(check.failures) == fails, (apart, check.failures)
+        assert check.tainted == (set() if fails else {0})
+
+
+def test_tokens_that_part_at_a_near_tie_may_end_at_other_lengths():
+    """A near-tie at which one side picks EOS ends the two at other lengths: judged at the parting, as any near-tie.
+    The same tokens over the common length, but one longer, is a stopping fault."""
+    logits = torch.zeros(1, 1, 16)
+    logits[0, 0, 2], logits[0, 0, 7] = 3.0, 3.0 - 1e-7  # EOS (2) and 7 tied
+    check = fuzz.Compare({"dtype": "fp32"}, torch.device("cpu"))
+    check.tokens("t", torch.tensor([[5, 7, 9, 9]]), torch.tensor([[5, 2]]), lambda row, pos: (logits, logits, logits))
+    assert not check.failures, check.failures
+    check.tokens("t", torch.tensor([[5, 2, 9]]), torch.tensor([[5, 2]]), lambda row, pos: (logits, logits, logits))
+    assert check.failures and "common length" in check.failures[0]
+
+
 def test_the_float64_answer_is_closer_than_stocks_fp32():
     """`float64_stock` keeps stock's own float32 casts in float64: the answer differs from stock's fp32 logits by
     fp32 rounding, and from a float64 run without it (float32 inside DeltaNet and the norms)."""
