@@ -117,6 +117,13 @@ def speculation_blocker(cache: FusedDecodeCache, input_ids, model_kwargs) -> str
 _DRAFT_OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_draft_override", default=None)
 
 
+# A benchmark's hook on the acceptance: fn(accepted n, drafted k) -> n' in 0..k, applied after the verify pass and
+# before the emitted tokens are chosen (the work of the round is unchanged; the round emits n' drafts and the model's
+# own token after them, and the state rolls back to there), to set the acceptance rate where the model's tokens
+# cannot be known before its verify pass (a random model in bf16 parts from its own non-speculative run at near-ties).
+_ACCEPT_OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_accept_override", default=None)
+
+
 # Where the speculative loop reports each round's (drafted, accepted) counts, when a caller listens (tests, the
 # benchmark): a list, appended to on the host (the counts are read there anyway).
 _ROUNDS: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_speculative_rounds", default=None)
@@ -132,6 +139,17 @@ def record_rounds():
         yield rounds
     finally:
         _ROUNDS.reset(token)
+
+
+@contextlib.contextmanager
+def force_acceptance(fn):
+    """Inside the block, greedy speculative rounds accept ``fn(n, k)`` of their k drafts (n: what the rule accepted),
+    then emit the model's argmax after them: the round's work is a real round's, its tokens are not the model's."""
+    token = _ACCEPT_OVERRIDE.set(fn)
+    try:
+        yield
+    finally:
+        _ACCEPT_OVERRIDE.reset(token)
 
 
 @contextlib.contextmanager
@@ -235,7 +253,9 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
     raw_logits = () if ret and generation_config.output_logits else None
     do_sample = generation_config.do_sample
     max_length = getattr(stopping_criteria, "max_length", None)
-    override, rounds = _DRAFT_OVERRIDE.get(), _ROUNDS.get()
+    override, forced, rounds = _DRAFT_OVERRIDE.get(), _ACCEPT_OVERRIDE.get(), _ROUNDS.get()
+    if forced is not None and do_sample:
+        raise ValueError("force_acceptance applies to greedy decoding only")
     st = cache._state
 
     prompt = {}
@@ -261,6 +281,9 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
         p_scores = torch.stack([logits_processor(ids[:, : cur + i], p_logits[:, i].to(torch.float32, copy=True))
                                 for i in range(p_logits.shape[1])], dim=1)
         n, last = accept(p_scores, drafts, q, do_sample)
+        if forced is not None and drafts.shape[1]:
+            n = forced(n, drafts.shape[1])
+            last = torch.argmax(p_scores[:, n], dim=-1)
         tokens = torch.cat([drafts[:, :n], last[:, None]], dim=-1)  # [B, n + 1]
         # the tokens one by one through the stopping criteria, read once: nothing after a stop is emitted
         running, seq = [], input_ids

@@ -30,6 +30,7 @@ from helpers import (  # noqa: F401 - fused_on_cpu: the fixture
     generate_stock,
     import_module,
     modeling,
+    run_stock,
 )
 from scripts.common import tiny_moe_text_kwargs, tiny_text_kwargs
 
@@ -168,6 +169,28 @@ def test_acceptance_bookkeeping(k):
                 assert all(n == d for d, n in rounds) and len(rounds) == math.ceil((new - 1) / (k + 1)), rounds
             else:
                 assert all(n == 0 for _, n in rounds) and len(rounds) == new - 1, rounds
+
+
+@cpu_emulated
+@pytest.mark.parametrize("take", ["all", "none", "one"])
+def test_forced_acceptance_keeps_the_state_of_the_emitted_tokens(take):
+    """The benchmark's ``force_acceptance`` (drafts kept whatever the model says): each round emits the kept drafts
+    and the model's argmax after them, and the returned cache is stock's over the emitted sequence (so a forced
+    round does a real round's work and leaves a consistent state)."""
+    stock, fused = _pair(seed=5)
+    ids = _prompt(seed=5)
+    keep = {"all": lambda n, k: k, "none": lambda n, k: 0, "one": lambda n, k: min(1, k)}[take]
+    with torch.no_grad():
+        with spec.force_acceptance(keep), spec.record_rounds() as rounds:
+            out = fused.generate(ids, max_new_tokens=11, mtp_speculative_tokens=2, eos_token_id=None, **GREEDY)
+        assert rounds and all(n == keep(0, d) for d, n in rounds), rounds
+        seq = out.sequences
+        assert seq.shape[1] == ids.shape[1] + 11
+        ref = run_stock(stock, seq[:, :-1], use_cache=True)
+        assert int(ref.logits[0, -1].argmax()) == int(seq[0, -1])  # the last token: the model's own after the rest
+        got = cache_of(out)
+        assert got.get_seq_length() == seq.shape[1] - 1
+        assert_caches_close(got, ref.past_key_values, fused.config.layer_types, CACHE_BOUND)
 
 
 @cpu_emulated

@@ -42,8 +42,8 @@ def test_benchmark_runs_on_cpu(tmp_path):
 
 
 def test_benchmark_speculative_runs_on_cpu(tmp_path, fused_on_cpu):
-    """The tiny config through the CPU emulation (the script checks that every speculative run's greedy tokens are
-    the non-speculative ones); fields only, no timing (wall times of a few tokens on a busy CPU are noise)."""
+    """The tiny config through the CPU emulation, at forced acceptances 0 and 1: fields only, no timing (wall times
+    of a few tokens on a busy CPU are noise), and each round's time split into draft / verify / rest."""
     results = benchmark_speculative.main(["--device", "cpu", "--tiny", "--dtype", "float32", "--new-tokens", "6",
                                           "--repeats", "1", "--k", "1,3", "--acceptance", "0,1", "--out",
                                           str(tmp_path)])
@@ -53,6 +53,8 @@ def test_benchmark_speculative_runs_on_cpu(tmp_path, fused_on_cpu):
     assert tiny["speculative"]["k3-a1.0"]["tokens_per_round"] > tiny["speculative"]["k1-a1.0"]["tokens_per_round"]
     assert math.isfinite(tiny["plain"]["ms_per_token"]) and tiny["floor_ms"] is None  # no bandwidth on CPU
     assert "| tiny | 3 | 1.0 |" in (tmp_path / "speculative.md").read_text()
+    for r in tiny["speculative"].values():
+        assert r["per_round"]["rounds"] > 0 and r["per_round"]["draft_ms"] > 0 and r["per_round"]["verify_ms"] > 0
 
 
 def test_benchmark_reads_the_issue_targets_from_its_rows():
