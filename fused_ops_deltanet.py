@@ -748,14 +748,19 @@ def gated_delta_rule_prefill(
 
 
 def gated_delta_rule_prefill_ref(q, k, v, g, beta, output_final_state=False, initial_state=None):
-    """Plain-torch `gated_delta_rule_prefill`: stock's torch chunked rule on key heads repeated for their value heads
-    (what stock runs without fla). fp32 math inside; o in q's dtype, as fla returns it."""
+    """Plain-torch `gated_delta_rule_prefill`: stock's torch rule on key heads repeated for their value heads (what
+    stock runs without fla), the kernel `prefill_rule_kernel` picks for the GPU: per token (stock's recurrent rule)
+    where it picks fla's per-token kernel (fp32, one token), else chunked. fp32 math inside; o in q's dtype, as fla
+    returns it. The chunked rule's rounding depends on where its 64-token chunks fall, which a padded bucket moves: a
+    CPU search case (fp32, decays at 4x spread) was 3x stock's own error from the float64 answer through the chunked
+    rule with the chunks shifted by 15 tokens, where the GPU's per-token kernel has no chunks."""
     from transformers.models.qwen3_5 import modeling_qwen3_5 as stock  # lazy: only the references need transformers
 
     gate = g.float()
     group = v.shape[2] // q.shape[2]
     q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
-    rule = inspect.unwrap(stock.torch_chunk_gated_delta_rule)
+    per_token = prefill_rule_kernel(q.dtype, q.shape[1]) == "fused_recurrent"
+    rule = inspect.unwrap(stock.torch_recurrent_gated_delta_rule if per_token else stock.torch_chunk_gated_delta_rule)
     if initial_state is not None:
         initial_state = initial_state.float()
     o, state = rule(q, k, v, g=gate, beta=beta, initial_state=initial_state, output_final_state=output_final_state,
