@@ -498,6 +498,21 @@ def test_run_cuda_tests_deals_every_id_once_and_reports_failures(tmp_path):
     assert res.stdout.count(": ok: ") == 2
 
 
+def test_run_cuda_tests_parts_split_the_ids_between_calls(tmp_path):
+    """PART=i/n: the n parts together hold every collected id once (a suite longer than one device call)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_probe.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('i', range(7))\ndef test_ok(i):\n    pass\n")
+    parts = []
+    for i in (1, 2, 3):
+        res = _run_shards(tmp_path, {"SHARDS": "2", "MARK": "", "PART": f"{i}/3"})
+        assert res.returncode == 0 and f"part {i}/3" in res.stdout, res.stdout + res.stderr
+        parts.append((tmp_path / "logs" / "ids.txt").read_text().splitlines())
+    assert [len(p) for p in parts] == [3, 2, 2] and len({i for p in parts for i in p}) == 7
+    res = _run_shards(tmp_path, {"PART": "3/2"})
+    assert res.returncode == 2 and "PART must be i/n" in res.stderr
+
+
 def test_run_cuda_tests_refuses_bad_settings_and_empty_collections(tmp_path):
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_plain.py").write_text("def test_plain():\n    pass\n")
