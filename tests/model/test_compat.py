@@ -154,7 +154,7 @@ def test_fused_load_does_not_kernelize(monkeypatch, caplog, saved_fused, request
     monkeypatch.setattr(plan_mod, "_announced", set())
     kwargs = {} if requested is None else {"use_kernels": requested}
     with caplog.at_level(logging.WARNING):
-        modeling.Qwen3_5FusedForCausalLM.from_pretrained(saved_fused, **kwargs)  # no `kernels` here
+        modeling.Qwen3_5FusedForCausalLM.from_pretrained(saved_fused, **kwargs)  # `kernels` as installed, or not
         _no_kernelize(monkeypatch)
         model = modeling.Qwen3_5FusedForCausalLM.from_pretrained(saved_fused, **kwargs)  # `kernels` "installed"
     said = [r.getMessage() for r in caplog.records if "Hub kernels" in r.getMessage()]

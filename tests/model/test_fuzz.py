@@ -111,14 +111,15 @@ def test_tokens_may_part_only_at_a_near_tie_where_the_logits_pass():
     assert not fp32.failures, fp32.failures  # an fp32 near-tie may part
 
 
-GPU_CASES = 16  # the GPU slice: cases drawn from 8 pooled configs (their kernels compile once)
+GPU_CASES = 6  # the GPU slice: cases drawn from 4 pooled configs (their kernels compile once)
 
 
 @pytest.mark.cuda
 def test_a_fixed_seed_slice_finds_nothing_on_the_gpu():
     """A fixed count, not a time: under a loaded machine (the suite's parallel processes) a two-minute slice ran one
-    case, which says nothing."""
-    out = fuzz.search(seed=2026, device="cuda", cases=GPU_CASES, shrink_budget=4, pool=8, log=print)
+    case, which says nothing. Six cases: sixteen (from 8 configs) were not through in 520 s beside the suite's 15
+    other processes, each 16-bit case of a new config waiting on fla's autotuning; the long search is the script's."""
+    out = fuzz.search(seed=2026, device="cuda", cases=GPU_CASES, shrink_budget=4, pool=4, log=print)
     assert out["cases"] == GPU_CASES
     assert not out["failures"], [f["failures"][0] + "\n" + f["command"] for f in out["failures"]]
 
