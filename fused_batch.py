@@ -48,6 +48,7 @@ from transformers.utils import logging
 from .fused_compat import (
     BATCH_OUTPUT_REASON,
     FUSED_GENERATION_MODES,
+    GENERATE_CACHE_KW,
     RequestStatus,
     complete_generation_config,
     generation_mode_name,
@@ -431,8 +432,8 @@ class BatchEngine:
         req, P = job.request, len(job.request.prompt)
         end = min(P, job.done + tokens)
         try:
-            out = self.text_model(input_ids=req.prompt_ids[None, job.done : end], past_key_values=job.cache,
-                                  use_cache=True)
+            out = self.text_model(input_ids=req.prompt_ids[None, job.done : end], use_cache=True,
+                                  **{GENERATE_CACHE_KW: job.cache})
         except torch.OutOfMemoryError as err:
             self.prefilling = None
             self._out_of_memory(req, err)

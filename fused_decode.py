@@ -102,6 +102,7 @@ class DecodeState:
         self.prefill_calls = {}  # prompt-length bucket -> prefills seen (captured on the second)
         self.verify_graphs = {}  # verify length T -> _VerifyGraph once captured; False after a failed capture
         self.verify_calls = {}  # verify length T -> verify passes seen (captured on the second)
+        self.mtp_drafter = None  # fused_mtp_decode.MTPDecodeState: the MTP head's cache and draft graphs, once used
 
     @classmethod
     def view_rows(cls, parent: "DecodeState", rows: int) -> "DecodeState":
@@ -170,6 +171,7 @@ class DecodeState:
         self.graph, self.graph_out, self.graph_weights, self.graph_head, self.warm = None, None, None, None, False
         self.prefill_graphs, self.prefill_calls = {}, {}
         self.verify_graphs, self.verify_calls = {}, {}
+        self.mtp_drafter = None
 
     def stale_graphs(self) -> bool:
         """True when a parameter or submodule that a captured graph of this state (the step, a verify pass) reads was

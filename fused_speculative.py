@@ -39,6 +39,8 @@ from transformers.cache_utils import DynamicCache
 from .fused_compat import run_prefill
 from .fused_decode import FusedDecodeCache
 from .fused_generate import finish_generate, stop_rows
+from .fused_mtp_decode import MTPDecodeState, static_draft_blocker
+from .fused_plan import announce
 
 SPECULATIVE_TOKENS_FIELD = "mtp_speculative_tokens"  # the config / generation-config field and generate() argument
 # Drafted tokens a round when neither the call nor the config says, on a GPU (0 on CPU, where the fused path is only
@@ -79,13 +81,18 @@ def speculative_tokens(model, generation_config=None) -> int:
 
 
 def describe_speculative(model) -> dict:
-    """``describe()["mtp"]["speculative"]``: the drafts a round, what runs, when it falls back, and why it is off."""
+    """``describe()["mtp"]["speculative"]``: the drafts a round, what runs (and how the head drafts), when it falls
+    back, and why it is off."""
     k = speculative_tokens(model)
     plan = model.fused_plan
     reason = (plan.decode_reason if plan.decode_reason is not None
               else None if k else f"{SPECULATIVE_TOKENS_FIELD} is 0 (the default: opt-in until measured on a GPU)")
+    blocker = static_draft_blocker(model)
     return {
         "tokens": k if reason is None else 0,
+        "drafting": ("the head's layer with the decode step's kernels over K/V buffers of its own; greedy drafts "
+                     "without logits processors from a CUDA graph per (pairs fed, drafts) with cuda_graphs on, the "
+                     "rest eagerly" if blocker is None else f"stock's layer, eagerly, because {blocker}"),
         "path": ("generate() drafts k tokens a round with the head (chained on its own hidden state), verifies them in "
                  "one fused pass over k + 1 tokens (each linear once over the rows, the DeltaNet / attention steps "
                  "token by token, the state after each token kept for the rollback; one CUDA graph per k + 1 with "
@@ -187,33 +194,64 @@ def verify_logits(model, text_model, cache: FusedDecodeCache, tokens: torch.Tens
     return st.verify_graphed(text_model, tokens.to(st.device), run, head, cache._use_graph)
 
 
-def _draft(model, mtp_cache: DynamicCache, pending_hidden, pending_tokens, k: int, input_ids, logits_processor,
-           do_sample: bool):
+def drafter_for(model, st, k: int):
+    """The static drafter (``fused_mtp_decode.MTPDecodeState``) of decode state ``st`` for k drafts a round: kept on
+    ``st`` across calls, made again for another length or a larger k, weights checked once per call. None when
+    ``static_draft_blocker`` says the head cannot run on it (the eager stock head drafts then, said once)."""
+    reason = static_draft_blocker(model)
+    if reason is not None:
+        announce(f"mtp/eager-draft/{reason}", f"Qwen3.5 fused: the MTP head drafts with stock's layer, eagerly, "
+                 f"because {reason}.")
+        return None
+    drafter = st.mtp_drafter
+    max_len = st.max_len + 2 * (k + 1)  # the head holds at most the backbone's tokens, plus a round's chained rows
+    if drafter is None or drafter.max_len < max_len or drafter.max_rows < k + 1:
+        st.mtp_drafter = drafter = MTPDecodeState(model, max_len, k + 1)
+    drafter.refresh(model)
+    return drafter
+
+
+def _draft(model, drafter, mtp_cache: DynamicCache, pending_hidden, pending_tokens, k: int, input_ids,
+           logits_processor, do_sample: bool, prompt: bool, use_graph: bool):
     """k chained drafts from the head: ``(drafts [B, k], q [B, k, vocab] float32 or None)``, q the distributions
-    the drafts were sampled from (sampling only). The head's cache ends holding the pending (true) pairs only."""
-    layers = len(model.mtp.layers)
-    logits, draft_hidden = model.mtp_draft(pending_hidden, pending_tokens, cache=mtp_cache)
-    kept = [layer.get_seq_length() for layer in mtp_cache.layers]  # the true pairs; chained entries go after drafting
-    logits, draft_hidden = logits[:, -1], draft_hidden[:, -1:]
-    drafts, qs = [], []
-    for j in range(k):
-        if j:
-            logits, draft_hidden = model.mtp_draft(draft_hidden, drafts[-1][:, None], cache=mtp_cache,
-                                                   layer=j % layers)
-            logits = logits[:, -1]
-        ids = torch.cat([input_ids, *(d[:, None] for d in drafts)], dim=-1)
+    the drafts were sampled from (sampling only). ``prompt``: the pending pairs are the whole prompt's. With
+    ``drafter`` (the static drafter), greedy drafting without processors after the prompt replays its graph;
+    without, the stock head runs on ``mtp_cache``, which ends holding the pending (true) pairs only."""
+    qs = []
+
+    def choose(logits, j):  # logits [B, vocab] of draft j
+        ids = torch.cat([input_ids, *(d[:, None] for d in drafted)], dim=-1)
         scores = logits_processor(ids, logits.float())
         if do_sample:
             q = F.softmax(scores, dim=-1)
-            drafts.append(torch.multinomial(q, num_samples=1).squeeze(1))
             qs.append(q)
+            token = torch.multinomial(q, num_samples=1).squeeze(1)
         else:
-            drafts.append(torch.argmax(scores, dim=-1))
-    for i, layer in enumerate(mtp_cache.layers):
-        extra = layer.get_seq_length() - (kept[i] if i < len(kept) else 0)
-        if extra > 0:
-            layer.crop(-extra)
-    return torch.stack(drafts, dim=1), (torch.stack(qs, dim=1) if do_sample else None)
+            token = torch.argmax(scores, dim=-1)
+        drafted.append(token)
+        return token
+
+    drafted = []
+    if drafter is not None:
+        if not prompt and not do_sample and len(logits_processor) == 0:
+            return drafter.draft_greedy(model, pending_hidden[0], pending_tokens[0], k, use_graph)[None], None
+        drafter.draft(model, pending_hidden, pending_tokens, k, choose, prompt)
+    else:
+        layers = len(model.mtp.layers)
+        logits, draft_hidden = model.mtp_draft(pending_hidden, pending_tokens, cache=mtp_cache)
+        kept = [layer.get_seq_length() for layer in mtp_cache.layers]  # true pairs; chained entries go after drafting
+        logits, draft_hidden = logits[:, -1], draft_hidden[:, -1:]
+        for j in range(k):
+            if j:
+                logits, draft_hidden = model.mtp_draft(draft_hidden, drafted[-1][:, None], cache=mtp_cache,
+                                                       layer=j % layers)
+                logits = logits[:, -1]
+            choose(logits, j)
+        for i, layer in enumerate(mtp_cache.layers):
+            extra = layer.get_seq_length() - (kept[i] if i < len(kept) else 0)
+            if extra > 0:
+                layer.crop(-extra)
+    return torch.stack(drafted, dim=1), (torch.stack(qs, dim=1) if do_sample else None)
 
 
 def accept(p_scores: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, do_sample: bool):
@@ -273,6 +311,7 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
     hidden = prompt["hidden"]  # [B, P, hidden]: the prompt's final-norm hidden states
     known_next = input_ids[:, 1:]  # the token after each row of `hidden` but the last
     mtp_cache = DynamicCache()
+    drafter = drafter_for(model, st, k)
     drafts = input_ids[:, :0]
     q, verified, first_slot = None, None, 0
     while True:
@@ -314,8 +353,8 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
         pending_tokens = torch.cat([known_next, tokens[:, :emitted]], dim=-1)
         drafts_k = k if left is None else min(k, left - 1)
         if drafts_k:
-            drafts, q = _draft(model, mtp_cache, pending_hidden, pending_tokens, drafts_k, input_ids,
-                               logits_processor, do_sample)
+            drafts, q = _draft(model, drafter, mtp_cache, pending_hidden, pending_tokens, drafts_k, input_ids,
+                               logits_processor, do_sample, prompt=verified is None, use_graph=cache._use_graph)
             if override is not None:
                 drafts = override(drafts, input_ids)
         else:

@@ -360,7 +360,8 @@ class _FusedPreTrainedMixin:
         if head is None:
             return None
         return {"layers": len(head.layers), "keys": MTP_PREFIX + "*",
-                "path": "stock layers, plain torch (mtp_draft(); the drafts of a speculative generate())",
+                "path": "stock layers, plain torch (mtp_draft(); a speculative generate's prompt pairs; its drafts: "
+                        "speculative.drafting)",
                 "speculative": describe_speculative(self)}
 
     def _refresh_fused(self) -> None:

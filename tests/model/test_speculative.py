@@ -313,6 +313,57 @@ def test_the_heads_cache_holds_the_true_pairs_only():
             assert int(logits[0, -1].argmax()) == int(drafts[0, 0])
 
 
+@cpu_emulated
+def test_the_static_drafter_is_the_stock_head():
+    """``fused_mtp_decode.MTPDecodeState`` (the head on fixed buffers with the fused decode ops, what the draft graphs
+    replay) against the stock head run afresh over the whole sequence, fp32: the prompt's pairs fed through the stock
+    head and copied in, then 1-3 pairs a call, each call also drafting 3 chained tokens whose cache rows the next
+    call overwrites. Each call's draft logits are the stock head's (1e-4) at the last fed row and, for the chained
+    drafts, over the sequence extended by them; the draft hidden states of fed rows agree to 1e-5. In a speculative
+    generate the dense head drafts on it; the MoE head drafts with stock's layer, said once and in describe()."""
+    mtp_decode = import_module("fused_mtp_decode")
+    _, fused = _pair(seed=5)
+    ids = _prompt(length=24, seed=5)
+    embed, head = fused.get_input_embeddings(), fused.lm_head
+    with torch.no_grad():
+        hidden = fused.model.stock_forward(input_ids=ids[:, :-1]).last_hidden_state  # [1, 23, H]
+        tokens = ids[:, 1:]
+        reference = fused.mtp(hidden, tokens, embed)  # [1, 23, H], no cache
+        assert mtp_decode.static_draft_blocker(fused) is None
+        drafter = mtp_decode.MTPDecodeState(fused, max_len=64, max_rows=4)
+        logits, draft = drafter.prefill(fused, hidden[:, :8], tokens[:, :8])
+        torch.testing.assert_close(draft[0], reference[0, 7], atol=1e-5, rtol=1e-5)
+        assert int(logits.argmax()) == int(head(reference[0, 7]).argmax())
+        at, sizes = 8, [1, 3, 2, 1, 3, 2, 3]
+        for size in sizes:
+            got_logits = []
+            drafts = drafter.draft(fused, hidden[:, at : at + size], tokens[:, at : at + size], 3,
+                                   lambda lg, j: got_logits.append(lg[0]) or lg.argmax(dim=-1), prompt=False)
+            at += size
+            assert drafter.count == at
+            # the chained drafts: the stock head over the true pairs, then its own draft hidden state and draft
+            h, t = hidden[:, :at], tokens[:, :at]
+            for j in range(3):
+                out = fused.mtp(h, t, embed)
+                torch.testing.assert_close(got_logits[j], head(out[0, -1]), atol=1e-4, rtol=1e-4)
+                assert int(drafts[j]) == int(head(out[0, -1]).argmax()), (size, j)
+                h, t = torch.cat([h, out[:, -1:]], dim=1), torch.cat([t, drafts[j].view(1, 1)], dim=1)
+        drafter.set_count(at)
+        rows = drafter.rows(fused, hidden[0, at - 2 : at], tokens[0, at - 2 : at], -2)  # the last two fed again
+        torch.testing.assert_close(rows, reference[0, at - 2 : at], atol=1e-5, rtol=1e-5)
+
+    for moe, expect in ((False, True), (True, False)):
+        _, model = _pair(moe=moe, seed=6)
+        with torch.no_grad():
+            model.generate(_prompt(seed=6), max_new_tokens=6, mtp_speculative_tokens=2, **GREEDY)
+        states = model._text_model().runner.decode_states.values()
+        assert any(state.mtp_drafter is not None for state in states) == expect, moe
+        drafting = model.describe()["mtp"]["speculative"]["drafting"]
+        assert drafting.startswith("the head's layer with the decode step's kernels") == expect, drafting
+    assert any(key.startswith("mtp/eager-draft/the head's layer has a mixture-of-experts MLP")
+               for key in plan_mod.announced())
+
+
 # -- sampling: the model's distribution -----------------------------------------------------------------------------
 
 
@@ -569,7 +620,8 @@ def test_gpu_greedy_bf16_diverges_no_earlier_than_non_speculative():
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_gpu_verify_graphs_give_the_non_speculative_tokens_and_cache(moe):
     """fp32, a random model and head on the GPU, drafts half right (rollbacks to every prefix): the verify pass runs
-    from its CUDA graph per length (captured on that length's second pass, replayed after), and the tokens and the
+    from its CUDA graph per length (captured on that length's second pass, replayed after), the dense head's drafting
+    from its graph per (pairs fed, drafts), and the tokens and the
     returned cache are the non-speculative ones; after a weight is replaced, the next call captures again and follows
     the new weights (a stale graph would still read the old ones)."""
     _, fused = _pair(moe)
@@ -590,4 +642,7 @@ def test_gpu_verify_graphs_give_the_non_speculative_tokens_and_cache(moe):
                     assert any(0 < n for _, n in rounds) and any(n < d for d, n in rounds), rounds
                     states = fused._text_model().runner.decode_states.values()
                     assert any(state.verify_graphs.get(k + 1) for state in states), k
+                    # the dense head drafts from its graphs per (pairs fed, drafts); the MoE head eagerly
+                    drafters = [state.mtp_drafter for state in states if state.mtp_drafter is not None]
+                    assert any(any(d.graphs.values()) for d in drafters) != moe, k
                     assert_caches_close(cache_of(out), cache_of(plain), fused.config.layer_types, CACHE_BOUND)

@@ -207,28 +207,33 @@ def test_benchmark_batch_runs_on_cpu(tmp_path):
                                     "--batch", "4", "--out", str(tmp_path)])
     runs = results["runs"]
     assert runs["(1) stock static, subset"]["requests"] == runs["(2) fused static, subset"]["requests"] == 5
-    assert runs["(2) fused static"]["requests"] == runs["(3) fused generate_batch"]["requests"] == 8
-    assert runs["(2) fused static"]["tokens"] == runs["(3) fused generate_batch"]["tokens"]  # EOS off: every count
+    batch = runs["(3) fused generate_batch, 32 rows, chunk None"]
+    assert runs["(2) fused static"]["requests"] == batch["requests"] == 8
+    assert runs["(2) fused static"]["tokens"] == batch["tokens"]  # EOS off: every count
     assert results["batch_path"].startswith("generate per request") and not results["failed"]
     md = (tmp_path / "batch.md").read_text()
-    assert "first 5 requests only (a subset)" in md and "| (3) / (1) stock static" in md
+    assert "first 5 requests only (a subset)" in md and "chunk None / (1) stock static" in md
     assert json.loads((tmp_path / "batch.json").read_text())["requests"] == 8
 
 
 def test_benchmark_batch_on_the_fused_scheduler_cpu(tmp_path, fused_on_cpu):
-    """The same at the tiny MoE shape through the fused scheduler (the CPU emulation), with chunked prefill: no
-    request fails, each generates its own count, latencies come from the scheduler's timestamps."""
+    """The same at the tiny MoE shape through the fused scheduler (the CPU emulation), two row counts, with and
+    without chunked prefill: no request fails, each generates its own count in every setting, latencies come from the
+    scheduler's timestamps."""
     from scripts import benchmark_batch
 
     results = benchmark_batch.main(["--device", "cpu", "--tiny", "--model", "35b-a3b", "--requests", "6",
-                                    "--stock-requests", "3", "--batch", "4", "--rows", "3", "--prefill-chunk", "16",
+                                    "--stock-requests", "3", "--batch", "4", "--rows", "3,2", "--prefill-chunk", "16,none",
                                     "--out", str(tmp_path)])
     assert results["model"] == "tiny-moe" and results["batch_path"] == "fused scheduler" and not results["failed"]
     requests = benchmark_batch.workload(6, (4, 40), (2, 12), 256, seed=0)
     assert requests == benchmark_batch.workload(6, (4, 40), (2, 12), 256, seed=0)  # seeded
     assert all(4 <= len(p) <= 40 and 2 <= n <= 12 for p, n in requests)
-    run = results["runs"]["(3) fused generate_batch"]
-    assert run["tokens"] == sum(n for _, n in requests) and run["per_token_ms_p50"] > 0
+    names = [f"(3) fused generate_batch, {rows} rows, chunk {chunk}" for rows in (2, 3) for chunk in (16, None)]
+    assert [n for n in results["runs"] if n.startswith("(3)") and "subset" not in n] == names  # fewest rows first
+    for name in names:
+        run = results["runs"][name]
+        assert run["tokens"] == sum(n for _, n in requests) and run["per_token_ms_p50"] > 0
 
 
 def test_benchmark_moe_model_runs_on_cpu(tmp_path):
