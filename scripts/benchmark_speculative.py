@@ -19,7 +19,8 @@ the tests' business (tests/model/test_speculative.py).
 Reports, per shape, for the non-speculative fused decode and for each (k, a): ms per emitted token, (time of N new
 tokens - time of 1) / (N - 1), median of --repeats; the realized acceptance (accepted / drafted); tokens per verify
 round; and the single-token weight-read floor (the bytes a decode step reads / the device's copy bandwidth, measured
-now; GPU only; for MoE the active weights: the experts one token picks). Writes ``speculative.json`` / ``speculative.md`` to --out.
+now; GPU only; for MoE the active weights: the experts one token picks). Writes ``speculative.json`` /
+``speculative.md`` to --out.
 """
 
 import argparse
