@@ -47,17 +47,15 @@ def build_model(shape: str, device, dtype, layers: int = 0):
 
 
 def step_read_bytes(model, counts: dict) -> float:
-    """The bytes a single-token decode step reads of the backbone's weights (``param_counts``' ``read_bytes``, the
-    MTP head not counted): for a MoE model only the experts one token picks, k of E in each layer (its active-weight
+    """The bytes a single-token decode step reads of the backbone's weights (``param_counts``' ``read_bytes`` less
+    the MTP head's): for a MoE model only the experts one token picks, k of E in each layer (its active-weight
     floor: 5.89 GB of 69.3 at 35B-A3B)."""
-    config = model.config.get_text_config()
-    read = counts["read_bytes"] - sum(p.nbytes for p in model.mtp.parameters()) if model.mtp is not None else \
-        counts["read_bytes"]
+    head = sum(p.nbytes for p in model.mtp.parameters()) if model.mtp is not None else 0
     experts = sum(p.nbytes for name, p in model.named_parameters()
                   if ".experts." in f".{name}" and not name.startswith("mtp."))
-    if experts:
-        read -= experts * (1 - config.num_experts_per_tok / config.num_experts)
-    return read
+    config = model.config.get_text_config()
+    unpicked = 1 - config.num_experts_per_tok / config.num_experts if experts else 0
+    return counts["read_bytes"] - head - experts * unpicked
 
 
 def forced(rate: float, seed: int = 0):
