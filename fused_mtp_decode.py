@@ -11,7 +11,8 @@ the same math runs on a :class:`MTPDecodeState`:
   head's positions count its cache);
 - ``slot`` [1] int64: the index the next fed pair is written to (the host keeps the same count and writes it before
   each call: no device read);
-- the head's projection groups packed once (q|k|v, gate|up), as the fused layers pack theirs.
+- the head's projection groups packed (q|k|v, gate|up) as the fused layers pack theirs: its Linears hold
+  views of the packed matrices.
 
 One call (:meth:`MTPDecodeState.draft`) feeds R true pairs (backbone hidden state, the token after it) at slot ..
 slot + R - 1, then drafts k tokens: the first from the last fed row, each next one from the head's own draft hidden
@@ -34,6 +35,7 @@ from transformers.cache_utils import DynamicCache
 
 from .fused_decode import rope_plan
 from .fused_graphs import WeightsSnapshot, capture_graph
+from .fused_layers import pack_linears
 
 
 def static_draft_blocker(model) -> str | None:
@@ -78,16 +80,20 @@ class MTPDecodeState:
         self._pack(model)
 
     def _pack(self, model) -> None:
+        """Pack q|k|v and gate|up as the fused layers pack theirs (``pack_linears``: each Linear's weight becomes a
+        view of the packed matrix, so an in-place update of a weight, ``load_state_dict`` without ``assign``, reaches
+        the matrix the drafts read; a replaced weight is caught by the snapshot)."""
         layer = model.mtp.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
         with torch.no_grad(), torch.inference_mode(False):
-            self.w_qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).contiguous()
-            self.w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).contiguous()
+            self.w_qkv = pack_linears([attn.q_proj, attn.k_proj, attn.v_proj])[0]
+            self.w_gate_up = pack_linears([mlp.gate_proj, mlp.up_proj])[0]
         self.weights = WeightsSnapshot(model.mtp, model.lm_head, model.get_input_embeddings())
         self.graphs, self.calls = {}, {}
 
     def refresh(self, model) -> None:
-        """Pack again and drop the graphs when a weight the head reads was replaced (once per ``generate`` call)."""
+        """Pack again and drop the graphs when a weight the head reads was replaced or moved (once per ``generate``
+        call)."""
         if not self.weights.unchanged():
             self._pack(model)
 
