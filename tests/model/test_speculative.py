@@ -364,6 +364,45 @@ def test_the_static_drafter_is_the_stock_head():
                for key in plan_mod.announced())
 
 
+@cpu_emulated
+def test_the_drafts_follow_the_heads_weights_and_saves_keep_them(tmp_path):
+    """After a speculative generate has packed the head for its drafter: an in-place update of a head weight (as
+    ``load_state_dict`` without ``assign`` makes) and a replaced one both reach the next call's drafts (each round's
+    first draft is the head's afresh, as above); a save writes the head's current weights under its own keys."""
+    from safetensors.torch import load_file
+
+    _, fused = _pair(seed=7)
+    ids = _prompt(seed=7)
+
+    def first_drafts_are_the_heads():
+        seen = []
+        with torch.no_grad(), spec.override_drafts(lambda d, i: seen.append((i.clone(), d.clone())) or d):
+            fused.generate(ids, max_new_tokens=10, mtp_speculative_tokens=2, eos_token_id=None, **GREEDY)
+        assert len(seen) > 2
+        for input_ids, drafts in seen:
+            with torch.no_grad():
+                hidden = fused.model.stock_forward(input_ids=input_ids[:, :-1]).last_hidden_state
+                logits, _ = fused.mtp_draft(hidden, input_ids[:, 1:])
+            if int(logits[0, -1].argmax()) != int(drafts[0, 0]):
+                return False
+        return True
+
+    assert first_drafts_are_the_heads()
+    attn, mlp = fused.mtp.layers[0].self_attn, fused.mtp.layers[0].mlp
+    g = torch.Generator().manual_seed(8)
+    state = {name: torch.randn(p.shape, generator=g) * 0.3 for name, p in fused.mtp.named_parameters()
+             if name.endswith(("q_proj.weight", "k_proj.weight", "up_proj.weight"))}
+    fused.mtp.load_state_dict(state, strict=False)  # in place: the parameters keep their storage
+    assert first_drafts_are_the_heads()
+    mlp.gate_proj.weight = torch.nn.Parameter(mlp.gate_proj.weight * -2.0)  # replaced
+    attn.v_proj.weight.data.mul_(3.0)
+    assert first_drafts_are_the_heads()
+    fused.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    for name, p in fused.mtp.named_parameters():
+        assert torch.equal(saved["mtp." + name], p.detach()), name
+
+
 # -- sampling: the model's distribution -----------------------------------------------------------------------------
 
 
