@@ -352,6 +352,9 @@ class DecodeState:
         proj = self.ops.small_linear(x.view(B * T, -1), w).view(B, T, -1)  # q|k|v before the conv, z, b, a
         mixed, z, b, a = torch.split(proj, [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads], dim=-1)
         conv_w = m.conv1d.weight.squeeze(1)
+        if T > 1:  # the states after tokens 0 .. T - 2, stacked: a rollback indexes them (on the host or the device)
+            conv_saved[i] = self.conv[i].new_empty((T - 1, *self.conv[i].shape))
+            recurrent_saved[i] = self.recurrent[i].new_empty((T - 1, *self.recurrent[i].shape))
         cores = []
         for t in range(T):
             # [B, conv_dim] after the conv + SiLU, the conv state moved on by this token
@@ -362,8 +365,8 @@ class DecodeState:
                 v.reshape(B, m.num_v_heads, m.head_v_dim), a[:, t], b[:, t], m.A_log, m.dt_bias, self.recurrent[i],
             ))  # [B, HV, Dv]
             if t < T - 1:  # the state after token t, for a rollback to it
-                conv_saved.setdefault(i, []).append(self.conv[i].clone())
-                recurrent_saved.setdefault(i, []).append(self.recurrent[i].clone())
+                conv_saved[i][t].copy_(self.conv[i])
+                recurrent_saved[i][t].copy_(self.recurrent[i])
         core = torch.stack(cores, dim=1).view(B * T, m.num_v_heads, m.head_v_dim)
         core = self.ops.gated_rms_norm(core, z.reshape(B * T, -1), m.norm.weight, m.norm.variance_epsilon)
         return step_linear(self.ops, core, m.out_proj.weight, m.out_proj.bias).view(B * T, 1, -1)
@@ -471,8 +474,8 @@ class _VerifyGraph(NamedTuple):
 
 class Verified(NamedTuple):
     """What :meth:`DecodeState.verify` returns: the final-norm hidden states [B, T, hidden], the slot [1] and
-    positions [3, B, 1] the step started at, and per linear-attention layer the conv / recurrent state after each of
-    the first T - 1 tokens."""
+    positions [3, B, 1] the step started at, and per linear-attention layer the conv / recurrent states after each of
+    the first T - 1 tokens, stacked ([T - 1, B, ...])."""
 
     hidden: torch.Tensor
     slot: torch.Tensor

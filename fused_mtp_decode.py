@@ -75,6 +75,7 @@ class MTPDecodeState:
             self.positions = torch.zeros(3, 1, 1, dtype=torch.long, device=self.device)
             self.hidden_in = torch.zeros(max_rows, head.config.hidden_size, dtype=self.dtype, device=self.device)
             self.tokens_in = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+            self.forced = torch.full((1,), -1, dtype=torch.long, device=self.device)  # a set acceptance; -1: the rule's
         self.rope = rope_plan(head.rotary_emb, self.device)
         self.count = 0  # the host's copy of the pairs the cache holds (what `slot` is set to before a call)
         self._pack(model)
@@ -90,6 +91,7 @@ class MTPDecodeState:
             self.w_gate_up = pack_linears([mlp.gate_proj, mlp.up_proj])[0]
         self.weights = WeightsSnapshot(model.mtp, model.lm_head, model.get_input_embeddings())
         self.graphs, self.calls = {}, {}
+        self.tails, self.tail_calls = {}, {}
 
     def refresh(self, model) -> None:
         """Pack again and drop the graphs when a weight the head reads was replaced or moved (once per ``generate``
@@ -138,9 +140,10 @@ class MTPDecodeState:
         self.count += R
         return drafts
 
-    def rows(self, model, hidden: torch.Tensor, tokens: torch.Tensor, offset: int) -> torch.Tensor:
-        """The head over R consecutive pairs (``hidden`` [R, H], ``tokens`` [R]) written at ``slot + offset + t``:
-        the draft hidden states [R, H] (after ``mtp.norm``). No host read: capturable."""
+    def rows(self, model, hidden: torch.Tensor, tokens: torch.Tensor, offset) -> torch.Tensor:
+        """The head over R consecutive pairs (``hidden`` [R, H], ``tokens`` [R]) written at ``slot + offset + t``
+        (``offset`` an int, or a [1] int64 tensor on the device): the draft hidden states [R, H] (after
+        ``mtp.norm``). No host read: capturable."""
         head, ops = model.mtp, self.ops
         layer = head.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
@@ -213,3 +216,66 @@ class MTPDecodeState:
             out = self._greedy(model, R, k)
         self.count += R
         return out
+
+    # -- a whole greedy round's tail on the device -----------------------------------------------------------------
+
+    def round_tail(self, model, st, verified, logits: torch.Tensor, drafts: torch.Tensor):
+        """After a verify pass over [x, d_1 .. d_k] on decode state ``st`` (``logits`` [1, T, V], ``verified`` its
+        ``Verified``, ``drafts`` [1, k] the drafts it checked), all on the device: greedy acceptance (n leading drafts
+        equal to the model's argmax, or ``forced`` when >= 0), the model's next token after them, the backbone rolled
+        back to after token n (the saved states selected by n, slot, positions and key marks), the head fed the T
+        pairs (hidden state i, emitted token i) at ``slot`` .. (rows past n are overwritten by the next round), and k
+        new drafts chained from row n. Returns ``(packed [1 + T + k] int64: n, the T emitted-token slots (the first
+        n + 1 true), the k new drafts; the next verify input [1, T]: the next token, the new drafts)``. No host read:
+        capturable."""
+        T = logits.shape[1]
+        k = T - 1
+        targets = logits[0].argmax(dim=-1)  # [T]
+        hits = (drafts[0] == targets[:k]).long().cumprod(dim=0).sum().view(1)
+        n = torch.where(self.forced >= 0, self.forced, hits)  # [1]
+        steps = torch.arange(T, device=logits.device)
+        following = targets.index_select(0, n)  # [1]: the model's token after the n accepted drafts
+        emitted = torch.where(steps < n, torch.cat([drafts[0], following]), following)  # [T]
+        # the backbone after token n: state n saved by the pass (n < k) or the live one (n = k)
+        live = n >= k
+        pick = n.clamp(max=k - 1)
+        for i, saved in verified.conv.items():
+            for state, kept in ((st.conv[i], saved), (st.recurrent[i], verified.recurrent[i])):
+                state.copy_(torch.where(live, state, kept.index_select(0, pick)[0]))
+        st.slot.copy_(verified.slot + n + 1)
+        st.positions.copy_(verified.positions + n + 1)
+        st.key_valid[:, verified.slot + steps] = (steps <= n)[None]
+        # the head: the confirmed pairs, then k drafts from row n
+        draft = self.rows(model, verified.hidden[0], emitted, 0).index_select(0, n)  # [1, H]
+        new = [self.logits(model, draft).argmax(dim=-1)]
+        for j in range(1, k):
+            draft = self.rows(model, draft, new[-1], n + j)
+            new.append(self.logits(model, draft).argmax(dim=-1))
+        new = torch.cat(new)  # [k]
+        return torch.cat([n, emitted, new]), torch.cat([following, new])[None]
+
+    def tail(self, model, st, verified, logits, drafts, use_graph: bool, graphed: bool):
+        """:meth:`round_tail`, from a CUDA graph per verify length when the verify pass ran from its graph
+        (``graphed``: its outputs and drafts then sit at fixed addresses) and ``use_graph`` on CUDA (captured on the
+        second such call; a recaptured verify graph is captured again). The count moves on by n + 1 on the host,
+        once the caller has read n."""
+        T = logits.shape[1]
+        self._check_room(T, T - 1)
+        self.set_count(self.count)  # slot and positions: written before the replay, read on the device
+        key = (T, id(verified))
+        entry = self.tails.get(key)
+        if entry is None and graphed and use_graph and self.device.type == "cuda":
+            self.tail_calls[key] = calls = self.tail_calls.get(key, 0) + 1
+            if calls >= 2:
+                for old in [other for other in self.tails if other[0] == T]:
+                    del self.tails[old]  # the verify graph it read was captured again
+                captured = capture_graph(model._text_model(),
+                                         lambda: self.round_tail(model, st, verified, logits, drafts), None,
+                                         f"speculative round tail ({T} tokens)", warm=False)
+                # the entry holds `verified`: its id cannot be reused while the entry lives
+                self.tails[key] = entry = False if captured is None else (*captured, verified)
+        if entry:
+            graph, out, _ = entry
+            graph.replay()
+            return out
+        return self.round_tail(model, st, verified, logits, drafts)

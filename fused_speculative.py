@@ -19,9 +19,17 @@ copies of a few MB at most, for k <= 3); a partial acceptance copies the one it 
 rejected tokens are masked and overwritten later. Nothing is recomputed, where a snapshot-and-replay rollback would
 run the accepted tokens a second time.
 
-The head's KV cache (a ``DynamicCache``) holds only positions whose inputs are true: the backbone's hidden state at
-t and the emitted token t + 1. Each round first feeds it the pairs the last round confirmed (after the prompt: the
-whole prompt), whose last row gives the first draft; the chained steps' entries are cropped off after drafting.
+The head's cache holds only positions whose inputs are true: the backbone's hidden state at t and the emitted token
+t + 1. Each round first feeds it the pairs the last round confirmed (after the prompt: the whole prompt), whose last
+row gives the first draft; the chained steps' entries are cropped off (a ``DynamicCache``) or overwritten by the
+next round's pairs (the static drafter, ``fused_mtp_decode``).
+
+Rounds on the device: for greedy decoding without logits processors, stopped by EOS and ``max_new_tokens`` only,
+with no scores asked, each round after the prompt's is the verify pass (its graph) then one tail on the device
+(``MTPDecodeState.round_tail``, a graph per length): acceptance, the next token, the rollback to after it, the head
+fed the confirmed pairs and k new drafts, written where the next verify pass reads them. The host reads n and the
+round's tokens once, checks EOS and the length on them, and launches the next round; a stop inside the round rolls
+the backbone back further, from the states the verify pass kept. Anything else runs the round on the host (below).
 
 Stopping criteria, EOS, ``max_new_tokens`` (a round drafts at most what is left minus one), streamers, scores and
 the returned cache are as in ``fused_generate.fused_sample``: the tokens of a round are checked one by one (one
@@ -35,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .fused_compat import run_prefill
 from .fused_decode import FusedDecodeCache
@@ -150,8 +159,9 @@ def record_rounds():
 
 @contextlib.contextmanager
 def force_acceptance(fn):
-    """Inside the block, greedy speculative rounds accept ``fn(n, k)`` of their k drafts (n: what the rule accepted),
-    then emit the model's argmax after them: the round's work is a real round's, its tokens are not the model's."""
+    """Inside the block, greedy speculative rounds accept ``fn(n, k)`` of their k drafts (n: what the rule accepted;
+    None for a round on the device, where ``fn`` is asked before the round runs), then emit the model's argmax after
+    them: the round's work is a real round's, its tokens are not the model's."""
     token = _ACCEPT_OVERRIDE.set(fn)
     try:
         yield
@@ -254,6 +264,23 @@ def _draft(model, drafter, mtp_cache: DynamicCache, pending_hidden, pending_toke
     return torch.stack(drafted, dim=1), (torch.stack(qs, dim=1) if do_sample else None)
 
 
+def device_round_stops(stopping_criteria, max_length) -> frozenset | None:
+    """The EOS ids when every stopping criterion can be decided on the host from the round's read tokens (stock's
+    ``MaxLengthCriteria`` within the model's positions, ``EosTokenCriteria``), which a round on the device needs;
+    None otherwise (a custom criterion runs on the sequence: the rounds run on the host)."""
+    eos = set()
+    for c in stopping_criteria:
+        if type(c) is MaxLengthCriteria:
+            limit = c.max_position_embeddings
+            if limit is not None and max_length is not None and max_length > limit:
+                return None  # its one-time warning is the host loop's
+        elif type(c) is EosTokenCriteria:
+            eos.update(int(t) for t in c.eos_token_id.flatten().tolist())
+        else:
+            return None
+    return frozenset(eos)
+
+
 def accept(p_scores: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, do_sample: bool):
     """The speculative acceptance rule for one row. ``p_scores`` [B, T, vocab] float32: the model's processed scores
     at the T verified positions; ``drafts`` [B, T - 1]; ``q`` [B, T - 1, vocab] the draft distributions (sampling).
@@ -312,42 +339,89 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
     known_next = input_ids[:, 1:]  # the token after each row of `hidden` but the last
     mtp_cache = DynamicCache()
     drafter = drafter_for(model, st, k)
+    eos = device_round_stops(stopping_criteria, max_length)
+    device_rounds = (drafter is not None and not do_sample and len(logits_processor) == 0 and scores is None
+                     and raw_logits is None and eos is not None)
+    if device_rounds:
+        drafter.forced.fill_(-1)  # the rule's acceptance unless a benchmark sets it (each round, below)
     drafts = input_ids[:, :0]
     q, verified, first_slot = None, None, 0
     while True:
         cur = input_ids.shape[1]
-        ids = torch.cat([input_ids, drafts], dim=-1)
-        p_scores = torch.stack([logits_processor(ids[:, : cur + i], p_logits[:, i].to(torch.float32, copy=True))
-                                for i in range(p_logits.shape[1])], dim=1)
-        n, last = accept(p_scores, drafts, q, do_sample)
-        if forced is not None and drafts.shape[1]:
-            n = forced(n, drafts.shape[1])
-            last = torch.argmax(p_scores[:, n], dim=-1)
-        tokens = torch.cat([drafts[:, :n], last[:, None]], dim=-1)  # [B, n + 1]
-        # the tokens one by one through the stopping criteria, read once: nothing after a stop is emitted
-        running, seq = [], input_ids
-        for j in range(n + 1):
-            seq = torch.cat([seq, tokens[:, j : j + 1]], dim=-1)
-            done = stop_rows(stopping_criteria, seq, scores)
-            running.append(torch.ones_like(last, dtype=torch.bool) if done is None else ~done.bool())
-        running = torch.stack(running).all(dim=1).tolist()
-        emitted = running.index(False) + 1 if False in running else n + 1
-        input_ids = seq[:, : cur + emitted]
-        if scores is not None:
-            scores += tuple(p_scores[:, :emitted].unbind(1))
-        if raw_logits is not None:
-            raw_logits += tuple(p_logits[:, :emitted].to(torch.float32, copy=True).unbind(1))  # graph memory
-        if streamer is not None:
-            for j in range(emitted):
-                streamer.put(tokens[:, j].cpu())
-        if verified is not None and rounds is not None:
-            rounds.append((drafts.shape[1], n))
-        if verified is not None:  # the backbone ends after the emitted tokens but the last, as without drafts
-            st.rollback(verified, emitted - 1, first_slot)
+        if device_rounds and verified is not None and drafts.shape[1] == k:
+            # the whole round on the device (acceptance, rollback, the head's pairs and next drafts), one host read
+            graph = st.verify_graphs.get(k + 1)
+            if forced is not None:
+                drafter.forced.fill_(forced(None, k))
+            packed, following = drafter.tail(model, st, verified, p_logits, drafts, cache._use_graph,
+                                             graphed=bool(graph) and graph.out[1] is verified)
+            values = packed.tolist()
+            n = values[0]
+            emitted, stopped = 0, False
+            for token in values[1 : n + 2]:  # nothing after a stop is emitted
+                emitted += 1
+                if token in eos or (max_length is not None and cur + emitted >= max_length):
+                    stopped = True
+                    break
+            tokens = torch.tensor([values[1 : 1 + emitted]], dtype=input_ids.dtype, device=input_ids.device)
+            input_ids = torch.cat([input_ids, tokens], dim=-1)
+            if streamer is not None:
+                for j in range(emitted):
+                    streamer.put(tokens[:, j].cpu())
+            if rounds is not None:
+                rounds.append((k, n))
+            if emitted < n + 1:  # a stop inside the round: back to after the emitted tokens but the last
+                st.rollback(verified, emitted - 1, first_slot)
             cache._seq_len += emitted
-        left = None if max_length is None else max_length - input_ids.shape[1]
-        if False in running or left == 0:
-            break
+            drafter.count += n + 1
+            left = None if max_length is None else max_length - input_ids.shape[1]
+            if stopped or left == 0:
+                break
+            if left is None or left - 1 >= k:
+                drafts = following[:, 1:]
+                if override is not None:
+                    drafts = override(drafts.clone(), input_ids)
+                first_slot = cache._seq_len + cache._pad
+                p_logits, verified = verify_logits(model, text_model, cache,
+                                                   torch.cat([input_ids[:, -1:], drafts], dim=-1))
+                hidden = verified.hidden
+                continue
+            # near max_length the rounds draft fewer tokens, eagerly: the head's pairs are fed again there
+            drafter.count -= n + 1
+            known_next = input_ids[:, :0]
+        else:
+            ids = torch.cat([input_ids, drafts], dim=-1)
+            p_scores = torch.stack([logits_processor(ids[:, : cur + i], p_logits[:, i].to(torch.float32, copy=True))
+                                    for i in range(p_logits.shape[1])], dim=1)
+            n, last = accept(p_scores, drafts, q, do_sample)
+            if forced is not None and drafts.shape[1]:
+                n = forced(n, drafts.shape[1])
+                last = torch.argmax(p_scores[:, n], dim=-1)
+            tokens = torch.cat([drafts[:, :n], last[:, None]], dim=-1)  # [B, n + 1]
+            # the tokens one by one through the stopping criteria, read once: nothing after a stop is emitted
+            running, seq = [], input_ids
+            for j in range(n + 1):
+                seq = torch.cat([seq, tokens[:, j : j + 1]], dim=-1)
+                done = stop_rows(stopping_criteria, seq, scores)
+                running.append(torch.ones_like(last, dtype=torch.bool) if done is None else ~done.bool())
+            running = torch.stack(running).all(dim=1).tolist()
+            emitted = running.index(False) + 1 if False in running else n + 1
+            input_ids = seq[:, : cur + emitted]
+            if scores is not None:
+                scores += tuple(p_scores[:, :emitted].unbind(1))
+            if raw_logits is not None:
+                raw_logits += tuple(p_logits[:, :emitted].to(torch.float32, copy=True).unbind(1))  # graph memory
+            if streamer is not None:
+                for j in range(emitted):
+                    streamer.put(tokens[:, j].cpu())
+            if verified is not None and rounds is not None:
+                rounds.append((drafts.shape[1], n))
+            if verified is not None:  # the backbone ends after the emitted tokens but the last, as without drafts
+                st.rollback(verified, emitted - 1, first_slot)
+                cache._seq_len += emitted
+            left = None if max_length is None else max_length - input_ids.shape[1]
+            if False in running or left == 0:
+                break
         # the head's next pairs: the verified rows the emitted tokens follow (after the prompt: all of it)
         pending_hidden = hidden[:, : hidden.shape[1] - p_logits.shape[1] + emitted]
         pending_tokens = torch.cat([known_next, tokens[:, :emitted]], dim=-1)

@@ -96,12 +96,14 @@ def per_token_ms(model, ids, new_tokens: int, k: int, device, repeats: int) -> l
 
 
 def phase_ms(model, ids, n: int, k: int, device, rate: float) -> dict:
-    """Where a round's time goes: one more ``generate`` of ``n`` tokens with the head's drafting
-    (``fused_speculative._draft``) and the verify pass (``verify_logits``, its graph replay and LM head) each timed
-    between device syncs; the rest (the acceptance rule, stop checks, rollback, the loop) is the round's time less
-    both. Per round, in ms; the syncs add a little to each part."""
+    """Where a round's time goes: one more ``generate`` of ``n`` tokens with the head's drafting on the host path
+    (``fused_speculative._draft``), the verify pass (``verify_logits``, its graph replay and LM head) and a device
+    round's tail (``MTPDecodeState.tail``: acceptance, rollback, the head's pairs and drafts) each timed between
+    device syncs; the rest (the host's acceptance and stop checks, rollback, the loop) is the round's time less
+    those. Per round, in ms; the syncs add a little to each part."""
     spec = import_module("fused_speculative")
-    spent = {"draft": 0.0, "verify": 0.0}
+    mtp_decode = import_module("fused_mtp_decode")
+    spent = {"draft": 0.0, "verify": 0.0, "tail": 0.0}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(name, fn):
@@ -114,8 +116,9 @@ def phase_ms(model, ids, n: int, k: int, device, rate: float) -> dict:
             return out
         return run
 
-    draft, verify = spec._draft, spec.verify_logits
+    draft, verify, tail = spec._draft, spec.verify_logits, mtp_decode.MTPDecodeState.tail
     spec._draft, spec.verify_logits = timed("draft", draft), timed("verify", verify)
+    mtp_decode.MTPDecodeState.tail = timed("tail", tail)
     try:
         with spec.force_acceptance(forced(rate, seed=1)), spec.record_rounds() as rounds:
             sync()
@@ -123,10 +126,10 @@ def phase_ms(model, ids, n: int, k: int, device, rate: float) -> dict:
             timed_generate(model, ids, n, k, device)
             total = (time.perf_counter() - start) * 1e3
     finally:
-        spec._draft, spec.verify_logits = draft, verify
+        spec._draft, spec.verify_logits, mtp_decode.MTPDecodeState.tail = draft, verify, tail
     count = max(len(rounds), 1)
     return {"rounds": len(rounds), "draft_ms": spent["draft"] / count, "verify_ms": spent["verify"] / count,
-            "rest_ms": (total - spent["draft"] - spent["verify"]) / count}
+            "tail_ms": spent["tail"] / count, "rest_ms": (total - sum(spent.values())) / count}
 
 
 def run_shape(shape: str, args, device, dtype, ceilings: dict) -> dict:
@@ -162,7 +165,8 @@ def run_shape(shape: str, args, device, dtype, ceilings: dict) -> dict:
 
 def to_markdown(results: dict) -> str:
     lines = ["| model | k | a set | a realized | tokens / round | ms / token | plain ms / token | speed-up | "
-             "floor ms | / floor | round: draft / verify / rest ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "floor ms | / floor | round: draft / verify / tail / rest ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for shape, row in results["models"].items():
         plain, floor = row["plain"]["ms_per_token"], row["floor_ms"]
         lines.append(f"| {shape} | 0 | - | - | 1 | {plain:.3f} | {plain:.3f} | 1.00x | "
@@ -173,7 +177,8 @@ def to_markdown(results: dict) -> str:
             lines.append(f"| {shape} | {r['k']} | {r['acceptance_set']} | {realized} | {per_round} | "
                          f"{r['ms_per_token']:.3f} | {plain:.3f} | {plain / r['ms_per_token']:.2f}x | "
                          + (f"{floor:.3f} | {r['ms_per_token'] / floor:.2f}x |" if floor else "- | - |")
-                         + " {draft_ms:.2f} / {verify_ms:.2f} / {rest_ms:.2f} |".format(**r["per_round"]))
+                         + " {draft_ms:.2f} / {verify_ms:.2f} / {tail_ms:.2f} / {rest_ms:.2f} |".format(
+                             **r["per_round"]))
     return "\n".join(lines) + "\n"
 
 

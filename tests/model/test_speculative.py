@@ -403,6 +403,35 @@ def test_the_drafts_follow_the_heads_weights_and_saves_keep_them(tmp_path):
         assert torch.equal(saved["mtp." + name], p.detach()), name
 
 
+@cpu_emulated
+def test_rounds_run_on_the_device_when_the_host_needs_nothing_else(monkeypatch):
+    """Greedy drafting without logits processors, stopped by EOS / ``max_new_tokens`` only, no scores asked: every
+    round after the prompt's runs on the device (``MTPDecodeState.round_tail``: acceptance, rollback, the head's
+    pairs and next drafts, one host read). A custom stopping criterion, a logits processor or scores keep the rounds
+    on the host. The tokens are the non-speculative ones either way."""
+    mtp_decode = import_module("fused_mtp_decode")
+    calls = []
+    tail = mtp_decode.MTPDecodeState.round_tail
+    monkeypatch.setattr(mtp_decode.MTPDecodeState, "round_tail", lambda self, *a: calls.append(1) or tail(self, *a))
+    _, fused = _pair(seed=9)
+    ids = _prompt(seed=9)
+    with torch.no_grad():
+        plain = fused.generate(ids, max_new_tokens=20, mtp_speculative_tokens=0, **GREEDY)
+        mixed = _oracle(plain.sequences, 0.5, seed=3)
+        cases = {"device": {}, "criterion": {"stopping_criteria": StoppingCriteriaList([_StopAtLength(10**6)])},
+                 "processor": {"repetition_penalty": 1.0 + 1e-9}, "scores": {"output_scores": True}}
+        for name, extra in cases.items():
+            calls.clear()
+            with spec.override_drafts(mixed), spec.record_rounds() as rounds:
+                out = fused.generate(ids, max_new_tokens=20, mtp_speculative_tokens=2, **GREEDY, **extra)
+            assert torch.equal(out.sequences, plain.sequences), name
+            if name == "device":
+                assert len(calls) == len(rounds) - sum(1 for d, _ in rounds if d < 2) > 3, (calls, rounds)
+                assert any(0 < n < 2 for _, n in rounds), rounds  # partial rollbacks on the device
+            else:
+                assert not calls, name
+
+
 # -- sampling: the model's distribution -----------------------------------------------------------------------------
 
 
