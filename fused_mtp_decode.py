@@ -75,6 +75,7 @@ class MTPDecodeState:
             self.positions = torch.zeros(3, 1, 1, dtype=torch.long, device=self.device)
             self.hidden_in = torch.zeros(max_rows, head.config.hidden_size, dtype=self.dtype, device=self.device)
             self.tokens_in = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+            self.drafts_in = torch.zeros(1, max_rows, dtype=torch.long, device=self.device)  # a tail's drafts
             self.forced = torch.full((1,), -1, dtype=torch.long, device=self.device)  # a set acceptance; -1: the rule's
         self.rope = rope_plan(head.rotary_emb, self.device)
         self.count = 0  # the host's copy of the pairs the cache holds (what `slot` is set to before a call)
@@ -262,6 +263,10 @@ class MTPDecodeState:
         T = logits.shape[1]
         self._check_room(T, T - 1)
         self.set_count(self.count)  # slot and positions: written before the replay, read on the device
+        # the drafts at an address of the drafter's own: a graph reads the address it was captured with, and the
+        # caller's drafts come from wherever the last round's were made (a draft graph, the last tail, an override)
+        self.drafts_in[:, : T - 1].copy_(drafts)
+        drafts = self.drafts_in[:, : T - 1]
         key = (T, id(verified))
         entry = self.tails.get(key)
         if entry is None and graphed and use_graph and self.device.type == "cuda":

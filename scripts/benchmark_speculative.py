@@ -70,13 +70,15 @@ def forced(rate: float, seed: int = 0):
 
 
 def timed_generate(model, ids, n: int, k: int, device) -> tuple[float, torch.Tensor]:
-    """(ms, sequence) of a greedy ``generate`` of exactly ``n`` new tokens with ``k`` drafts a round."""
+    """(ms, sequence) of a greedy ``generate`` of exactly ``n`` new tokens with ``k`` drafts a round: no EOS, where
+    ``min_new_tokens`` would add a logits processor (which keeps speculative rounds on the host, and is not what a
+    plain ``generate`` runs)."""
     timer = benchmark_latency.Timer(device)
     out = {}
 
     def run():
         out["ids"] = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                    min_new_tokens=n, do_sample=False, pad_token_id=0, mtp_speculative_tokens=k)
+                                    eos_token_id=None, do_sample=False, pad_token_id=0, mtp_speculative_tokens=k)
 
     with torch.inference_mode():
         ms = timer(run)

@@ -706,11 +706,12 @@ def test_gpu_greedy_bf16_diverges_no_earlier_than_non_speculative():
 @pytest.mark.cuda
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_gpu_verify_graphs_give_the_non_speculative_tokens_and_cache(moe):
-    """fp32, a random model and head on the GPU, drafts half right (rollbacks to every prefix): the verify pass runs
-    from its CUDA graph per length (captured on that length's second pass, replayed after), the dense head's drafting
-    from its graph per (pairs fed, drafts), and the tokens and the
-    returned cache are the non-speculative ones; after a weight is replaced, the next call captures again and follows
-    the new weights (a stale graph would still read the old ones)."""
+    """fp32, a random model and head on the GPU, drafts half right (rollbacks to every prefix), each round's drafts a
+    new tensor: the verify pass runs from its CUDA graph per length (captured on that length's second pass, replayed
+    after), the dense head's rounds from their tail graph per length (which must read the drafts it is given, not
+    those at the address it was captured with), and the tokens and the returned cache are the non-speculative ones;
+    after a weight is replaced, the next call captures again and follows the new weights (a stale graph would still
+    read the old ones)."""
     _, fused = _pair(moe)
     fused = fused.cuda()
     ids = _prompt().cuda()
@@ -723,13 +724,20 @@ def test_gpu_verify_graphs_give_the_non_speculative_tokens_and_cache(moe):
             plain = fused.generate(ids, max_new_tokens=30, mtp_speculative_tokens=0, **GREEDY)
             for k in (1, 3):
                 for _ in range(2):  # the second call replays graphs captured by the first
-                    with spec.record_rounds() as rounds, spec.override_drafts(_oracle(plain.sequences.cpu(), 0.5, k)):
+                    oracle, made = _oracle(plain.sequences.cpu(), 0.5, k), []
+
+                    def override(drafts, input_ids):  # every round's drafts at a new address (all kept alive)
+                        made.append(oracle(drafts, input_ids))
+                        return made[-1]
+
+                    with spec.record_rounds() as rounds, spec.override_drafts(override):
                         out = fused.generate(ids, max_new_tokens=30, mtp_speculative_tokens=k, **GREEDY)
                     assert torch.equal(out.sequences, plain.sequences), (change, k)
                     assert any(0 < n for _, n in rounds) and any(n < d for d, n in rounds), rounds
                     states = fused._text_model().runner.decode_states.values()
                     assert any(state.verify_graphs.get(k + 1) for state in states), k
-                    # the dense head drafts from its graphs per (pairs fed, drafts); the MoE head eagerly
+                    # the dense head's rounds run on the device, from a tail graph per length; the MoE head's on
+                    # the host, drafting eagerly
                     drafters = [state.mtp_drafter for state in states if state.mtp_drafter is not None]
-                    assert any(any(d.graphs.values()) for d in drafters) != moe, k
+                    assert any(any(d.tails.values()) for d in drafters) != moe, k
                     assert_caches_close(cache_of(out), cache_of(plain), fused.config.layer_types, CACHE_BOUND)
