@@ -33,6 +33,7 @@ workload's mean context; the DeltaNet states read and written) over the device c
 """
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -103,20 +104,65 @@ def static_batches(model, requests: list, batch: int, device, progress: str) -> 
     return {"wall_s": sum(batch_times), "ttft": ttft, "per_token": per_token, "batch_s": batch_times}
 
 
+@contextlib.contextmanager
+def time_parts(device):
+    """Where a ``generate_batch`` run inside the block spends the GPU's time: CUDA events recorded around each of the
+    scheduler's prompt prefills (``BatchEngine._start``, ``_chunk``) and decode steps (``_decode``), read after the
+    run (no sync inside it). Yields a dict filled on exit: ``prefill_s``, ``decode_s`` (summed event spans),
+    ``steps`` and ``mean_rows`` (the live requests a step ran). GPU only: the dict stays empty elsewhere."""
+    parts = {}
+    if device.type != "cuda":
+        yield parts
+        return
+    engine = import_module("fused_batch").BatchEngine
+    marks, rows = {"prefill": [], "decode": []}, []
+    originals = {name: getattr(engine, name) for name in ("_start", "_chunk", "_decode")}
+
+    def wrap(name, part):
+        fn = originals[name]
+
+        def run(self, *args, **kwargs):
+            if part == "decode":
+                rows.append(len(self.live))
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                end.record()
+                marks[part].append((start, end))
+
+        return run
+
+    for name, part in (("_start", "prefill"), ("_chunk", "prefill"), ("_decode", "decode")):
+        setattr(engine, name, wrap(name, part))
+    try:
+        yield parts
+    finally:
+        for name, fn in originals.items():
+            setattr(engine, name, fn)
+    torch.cuda.synchronize(device)
+    for part, spans in marks.items():
+        parts[f"{part}_s"] = sum(a.elapsed_time(b) for a, b in spans) / 1e3
+    parts["steps"], parts["mean_rows"] = len(rows), (statistics.fmean(rows) if rows else 0.0)
+
+
 def continuous(model, requests: list, rows: int, device, prefill_chunk: int | None) -> dict:
-    """Run ``requests`` through ``model.generate_batch``; per request its TTFT and per-token latency (s)."""
+    """Run ``requests`` through ``model.generate_batch``; per request its TTFT and per-token latency (s), and where
+    the GPU's time went (``time_parts``)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(do_sample=False, pad_token_id=0, eos_token_id=None)
     cb = ContinuousBatchingConfig(max_requests_per_batch=rows, seed=0)
     sync(device)
-    start = time.perf_counter()
-    out = model.generate_batch([p for p, _ in requests], generation_config=config, continuous_batching_config=cb,
-                               max_new_tokens=[n for _, n in requests], record_timestamps=True,
-                               prefill_chunk=prefill_chunk)
-    sync(device)
-    wall = time.perf_counter() - start
+    with time_parts(device) as parts:
+        start = time.perf_counter()
+        out = model.generate_batch([p for p, _ in requests], generation_config=config, continuous_batching_config=cb,
+                                   max_new_tokens=[n for _, n in requests], record_timestamps=True,
+                                   prefill_chunk=prefill_chunk)
+        sync(device)
+        wall = time.perf_counter() - start
     by_id, failed = {}, []
     for rid, got in out.items():
         if got.error is not None or not got.timestamps:
@@ -125,7 +171,8 @@ def continuous(model, requests: list, rows: int, device, prefill_chunk: int | No
         times = got.timestamps
         by_id[rid] = (times[0] - start, (times[-1] - times[0]) / max(1, len(times) - 1))
     return {"wall_s": wall, "ttft": [t for t, _ in by_id.values()], "per_token": [s for _, s in by_id.values()],
-            "by_id": by_id, "failed": failed, "tokens": sum(len(o.generated_tokens) for o in out.values())}
+            "by_id": by_id, "failed": failed, "tokens": sum(len(o.generated_tokens) for o in out.values()),
+            "parts": parts}
 
 
 def settings(args) -> list[tuple[int, int | None]]:
@@ -202,7 +249,8 @@ def to_markdown(r: dict) -> str:
              f"{r['new_range'][0]}-{r['new_range'][1]} new (seed {r['seed']}); static batches of {r['batch']}; "
              f"generate_batch: rows {r['rows']} x prefill_chunk {r['prefill_chunk']}, path: {r['batch_path']}.",
              f"Stock ran the first {r['stock_requests']} requests only (a subset): the rows marked 'subset' compare "
-             "the same requests.", "",
+             "the same requests." if not r.get("batch_only") else "--batch-only: runs (1) and (2) did not run here "
+             "(the subset is only where its latencies are read).", "",
              "| run | requests | output tok/s | TTFT p50 / p99 ms | per-token p50 / p99 ms |", "|---|---|---|---|---|"]
     for name, s in r["runs"].items():
         lines.append(f"| {name} | {s['requests']} | {s['tokens_per_s']:.1f} | {s['ttft_ms_p50']:.1f} / "
@@ -210,6 +258,16 @@ def to_markdown(r: dict) -> str:
     lines += ["", "| ratio (output tok/s) | value | target |", "|---|---|---|"]
     for name, (value, target) in r["ratios"].items():
         lines.append(f"| {name} | {value:.2f}x | {target} |")
+    if r.get("parts"):
+        lines += ["", "Where generate_batch's time went (GPU time between CUDA events around the scheduler's prompt "
+                  "prefills and decode steps; the rest: the host's choosing, reading and bookkeeping with the GPU "
+                  "idle, and the first tokens):", "",
+                  "| run | wall s | prefill s | decode s | rest s | decode steps | mean rows a step |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, p in r["parts"].items():
+            rest = p["wall_s"] - p["prefill_s"] - p["decode_s"]
+            lines.append(f"| {name} | {p['wall_s']:.2f} | {p['prefill_s']:.2f} | {p['decode_s']:.2f} | {rest:.2f} | "
+                         f"{p['steps']} | {p['mean_rows']:.1f} |")
     if r["decode_steps"]:
         lines += ["", f"Captured decode step of generate_batch at {r['context']} keys a row (copy rate "
                   f"{r['copy_bytes_per_s'] / 1e12:.2f} TB/s):", "",
@@ -251,7 +309,7 @@ def run(args) -> dict:
                "stock_requests": len(subset), "prompt_range": prompt_range, "new_range": new_range, "seed": args.seed,
                "batch": args.batch, "rows": args.rows, "prefill_chunk": args.prefill_chunk,
                "batch_path": "fused scheduler" if blocker is None else f"generate per request ({blocker})",
-               "runs": {}, "ratios": {}, "decode_steps": {}, "failed": []}
+               "runs": {}, "ratios": {}, "parts": {}, "decode_steps": {}, "failed": [], "batch_only": args.batch_only}
     log(f"workload: {len(requests)} requests, {tokens} output tokens; stock on {len(subset)}")
 
     # warm-up: every path once on a few requests, so no run pays for compiling / capturing its first shapes
@@ -260,6 +318,43 @@ def run(args) -> dict:
     static_batches(stock, [(p[:64], 4) for p, _ in warm], args.batch, device, "warm-up stock")
     static_batches(fused, warm, args.batch, device, "warm-up fused")
 
+    if args.batch_only:
+        stock_s = fused_s = None
+    else:
+        stock_s, fused_s = _static_runs(args, results, stock, fused, requests, subset, tokens, sub_tokens, device)
+    # each (rows, prefill_chunk) setting in turn, the most rows last: its buffers are the ones the steps are timed on
+    for rows, chunk in settings(args):
+        name = f"(3) fused generate_batch, {rows} rows, chunk {chunk}"
+        log(name)
+        continuous(fused, warm, rows, device, chunk)  # this setting's own first shapes, off the clock
+        batch_run = continuous(fused, requests, rows, device, chunk)
+        results["runs"][name] = cont_s = stats(batch_run, batch_run["tokens"])
+        if batch_run["parts"]:
+            results["parts"][name] = {"wall_s": batch_run["wall_s"], **batch_run["parts"]}
+        results["failed"] += [f"{name}: {f}" for f in batch_run["failed"]]
+        # the subset's requests as they ran among all the others (throughput: the whole run's)
+        sub = [batch_run["by_id"][f"req_{i}"] for i in range(len(subset)) if f"req_{i}" in batch_run["by_id"]]
+        results["runs"][f"{name}, subset latencies"] = stats(
+            {"wall_s": batch_run["wall_s"], "ttft": [t for t, _ in sub], "per_token": [s for _, s in sub]},
+            batch_run["tokens"])
+        if fused_s is not None:
+            results["ratios"][f"{name} / (2) fused static"] = (cont_s["tokens_per_s"] / fused_s["tokens_per_s"],
+                                                                ">= 3x at 4B")
+            results["ratios"][f"{name} / (1) stock static (stock on its subset)"] = (
+                cont_s["tokens_per_s"] / stock_s["tokens_per_s"], ">= 20x at 4B")
+        save(args, results)
+    if device.type == "cuda" and blocker is None:
+        ceilings = measure_ceilings(device)
+        context = round(statistics.fmean(len(p) + n / 2 for p, n in requests))
+        results["context"], results["copy_bytes_per_s"] = context, ceilings["copy_bytes_per_s"]
+        with torch.inference_mode():
+            steps = time_decode_steps(fused, context, ceilings["copy_bytes_per_s"])
+        results["decode_steps"] = {str(rows): s for rows, s in steps.items()}
+    return results
+
+
+def _static_runs(args, results, stock, fused, requests, subset, tokens, sub_tokens, device):
+    """Runs (1) and (2) and their ratio into ``results`` (saved); returns their stats."""
     stock_run = static_batches(stock, subset, args.batch, device, "(1) stock static")
     results["runs"]["(1) stock static, subset"] = stock_s = stats(stock_run, sub_tokens)
     fused_run = static_batches(fused, requests, args.batch, device, "(2) fused static")
@@ -270,32 +365,7 @@ def run(args) -> dict:
     results["runs"]["(2) fused static, subset"] = fused_sub = stats(sub_run, sub_tokens)
     results["ratios"] = {"(2) / (1) on the same subset": (fused_sub["tokens_per_s"] / stock_s["tokens_per_s"], "")}
     save(args, results)
-    # each (rows, prefill_chunk) setting in turn, the most rows last: its buffers are the ones the steps are timed on
-    for rows, chunk in settings(args):
-        name = f"(3) fused generate_batch, {rows} rows, chunk {chunk}"
-        log(name)
-        continuous(fused, warm, rows, device, chunk)  # this setting's own first shapes, off the clock
-        batch_run = continuous(fused, requests, rows, device, chunk)
-        results["runs"][name] = cont_s = stats(batch_run, batch_run["tokens"])
-        results["failed"] += [f"{name}: {f}" for f in batch_run["failed"]]
-        # the subset's requests as they ran among all the others (throughput: the whole run's)
-        sub = [batch_run["by_id"][f"req_{i}"] for i in range(len(subset)) if f"req_{i}" in batch_run["by_id"]]
-        results["runs"][f"{name}, subset latencies"] = stats(
-            {"wall_s": batch_run["wall_s"], "ttft": [t for t, _ in sub], "per_token": [s for _, s in sub]},
-            batch_run["tokens"])
-        results["ratios"][f"{name} / (2) fused static"] = (cont_s["tokens_per_s"] / fused_s["tokens_per_s"],
-                                                            ">= 3x at 4B")
-        results["ratios"][f"{name} / (1) stock static (stock on its subset)"] = (
-            cont_s["tokens_per_s"] / stock_s["tokens_per_s"], ">= 20x at 4B")
-        save(args, results)
-    if device.type == "cuda" and blocker is None:
-        ceilings = measure_ceilings(device)
-        context = round(statistics.fmean(len(p) + n / 2 for p, n in requests))
-        results["context"], results["copy_bytes_per_s"] = context, ceilings["copy_bytes_per_s"]
-        with torch.inference_mode():
-            steps = time_decode_steps(fused, context, ceilings["copy_bytes_per_s"])
-        results["decode_steps"] = {str(rows): s for rows, s in steps.items()}
-    return results
+    return stock_s, fused_s
 
 
 def save(args, results: dict) -> None:
@@ -321,6 +391,8 @@ def main(argv=None):
                    help="min,max new tokens (default 16,512; tiny 2,12)")
     p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-only", action="store_true",
+                   help="run (3) only (its ratios then need (1) and (2) from another run of the same workload)")
     p.add_argument("--out", type=Path, default=Path("out/batch"))
     args = p.parse_args(argv)
     if args.device == "cpu" and args.dtype == "bfloat16":
