@@ -161,6 +161,32 @@ def check_conv_step(device, dtype, B, D, W=4, bias=False, weight_dtype=None, sta
         assert_close(f"{at}: y vs causal_conv1d_step_ref", y, y_ref, bound)
 
 
+def check_conv_steps(device, dtype, B, T, D, W=4, bias=False, weight_dtype=None, save=True):
+    """`causal_conv1d_steps` over T tokens (x a strided [B, T, D] slice, as the verify pass's projection columns)
+    against T calls of the single-token kernel and its reference: each token's output, the final state and (with
+    ``save``) the state after each token, exact where the single-token step is exact."""
+    gen = torch.Generator().manual_seed(2)
+    weight, b = conv_params(device, dtype, D, W, bias, weight_dtype, gen)
+    state = torch.randn(B, D, W, generator=gen).to(device=device, dtype=dtype)
+    state_steps, state_ref = state.clone(), state.clone()
+    x = column_slice(B * T, D, dtype, device, gen).unflatten(0, (B, T))  # [B, T, D], row stride D + 2 * PAD
+    saved = torch.full((T, B, D, W), float("nan"), dtype=dtype, device=device) if save else None
+    saved_ref = torch.empty(T, B, D, W, dtype=dtype, device=device) if save else None
+    ptr = state.data_ptr()
+    y = fused_ops.causal_conv1d_steps(x, state, weight, b, saved=saved)
+    y_ref = fused_ops.causal_conv1d_steps_ref(x, state_ref, weight, b, saved=saved_ref)
+    assert y.shape == (B, T, D) and y.is_contiguous() and state.data_ptr() == ptr
+    for t in range(T):
+        y_t = fused_ops.causal_conv1d_step(x[:, t], state_steps, weight, b)
+        assert_exact(f"token {t}: y vs the single-token kernel", y[:, t], y_t)
+        if save:
+            assert_exact(f"token {t}: saved state vs the single-token kernel's", saved[t], state_steps)
+            assert_exact(f"token {t}: saved state vs ref", saved[t], saved_ref[t])
+    assert_exact("final state vs the single-token kernel's", state, state_steps)
+    assert_exact("final state vs ref", state, state_ref)
+    assert_close("y vs ref", y, y_ref, max(BOUND[dtype], BOUND[weight.dtype]))
+
+
 def gdr_params(device, dtype, HV, gen):
     """A_log and dt_bias as stock initialises them (A uniform in [0.01, 16]), dt_bias spread to cover softplus."""
     A_log = torch.empty(HV).uniform_(0.01, 16, generator=gen).log().to(device=device, dtype=dtype)
@@ -216,6 +242,41 @@ def check_gdr_step(device, dtype, B, H, HV, K, V, use_out=False, strided_state=F
         assert_close(f"{at}: state vs ref", state, state_ref, BOUND)
         assert_close(f"{at}: o vs stock torch_recurrent_gated_delta_rule", o, o_stock.to(dtype), BOUND)
         assert_close(f"{at}: o vs gated_delta_rule_step_ref", o, o_ref, BOUND)
+
+
+def check_gdr_steps(device, dtype, B, T, H, HV, K, V, save=True):
+    """`gated_delta_rule_steps` over T tokens (inputs as the verify pass lays them out: q / k / v views of a strided
+    [B, T, 2HK + HV*V] conv output, a / b column slices of a [B, T, 2HV] projection) against T calls of the
+    single-token kernel and against its reference: every token's output, the final state and (with ``save``) the
+    state after each token."""
+    gen = torch.Generator().manual_seed(1)
+    A_log, dt_bias = gdr_params(device, dtype, HV, gen)
+    state = (torch.randn(B, HV, K, V, generator=gen) * 0.1).to(device)
+    state_steps, state_ref = state.clone(), state.clone()
+    D = 2 * H * K + HV * V
+    qkv = column_slice(B * T, D, dtype, device, gen).unflatten(0, (B, T))  # [B, T, D], row stride D + 2 * PAD
+    q = qkv[..., : H * K].unflatten(2, (H, K))
+    k = qkv[..., H * K : 2 * H * K].unflatten(2, (H, K))
+    v = qkv[..., 2 * H * K :].unflatten(2, (HV, V))
+    ab = column_slice(B * T, 2 * HV, dtype, device, gen).unflatten(0, (B, T)) * 2.0
+    a, b = ab[..., :HV], ab[..., HV:]
+    b.copy_(away_from_ties(b))
+    saved = torch.full((T, B, HV, K, V), float("nan"), device=device) if save else None
+    saved_ref = torch.empty(T, B, HV, K, V, device=device) if save else None
+    ptr = state.data_ptr()
+    o = fused_ops.gated_delta_rule_steps(q, k, v, a, b, A_log, dt_bias, state, saved=saved)
+    o_ref = fused_ops.gated_delta_rule_steps_ref(q, k, v, a, b, A_log, dt_bias, state_ref, saved=saved_ref)
+    assert o.shape == (B, T, HV, V) and o.is_contiguous() and state.data_ptr() == ptr
+    for t in range(T):
+        o_t = fused_ops.gated_delta_rule_step(q[:, t], k[:, t], v[:, t], a[:, t], b[:, t], A_log, dt_bias,
+                                              state_steps)
+        assert_close(f"token {t}: o vs the single-token kernel", o[:, t], o_t, BOUND)
+        if save:
+            assert_close(f"token {t}: saved state vs the single-token kernel's", saved[t], state_steps, BOUND)
+            assert_close(f"token {t}: saved state vs ref", saved[t], saved_ref[t], BOUND)
+    assert_close("o vs ref", o, o_ref, BOUND)
+    assert_close("final state vs the single-token kernel's", state, state_steps, BOUND)
+    assert_close("final state vs ref", state, state_ref, BOUND)
 
 
 def check_decode_chain(device, dtype, B, H, HV, K, V, W=4, steps=STEPS, graph=False):
@@ -319,6 +380,28 @@ def test_causal_conv1d_step_mixed_dtypes_cpu(dtype, weight_dtype, state_dtype):
 )
 def test_gated_delta_rule_step_cpu(dtype, B, H, HV, K, V):
     check_gdr_step("cpu", dtype, B, H, HV, K, V)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    "B, T, D, W, bias, save",
+    [(1, 4, 40, 4, False, True), (2, 3, 300, 4, True, True), (2, 2, 40, 3, False, False), (1, 1, 40, 4, False, True)],
+    ids=["B1-T4", "B2-T3-D300-bias", "B2-T2-W3-nosave", "B1-T1"],
+)
+def test_causal_conv1d_steps_cpu(dtype, B, T, D, W, bias, save):
+    check_conv_steps("cpu", dtype, B, T, D, W, bias, save=save)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    "B, T, H, HV, K, V, save",
+    [(1, 4, 2, 2, 32, 32, True), (2, 3, 1, 3, 24, 48, True), (2, 2, 1, 2, 16, 32, False), (1, 1, 1, 2, 16, 32, True)],
+    ids=["B1-T4", "B2-T3-HV3-K24-V48", "B2-T2-nosave", "B1-T1"],
+)
+def test_gated_delta_rule_steps_cpu(dtype, B, T, H, HV, K, V, save):
+    check_gdr_steps("cpu", dtype, B, T, H, HV, K, V, save)
 
 
 @needs_interpreter
@@ -462,6 +545,30 @@ BAD_INPUTS = {
     ),
     "gdr-out-shape": (
         lambda: _gdr(out=torch.empty(2, 2, 7)), r"out must be \[B, HV, V\] = \(2, 2, 8\) in q's dtype.*\(2, 2, 7\)"
+    ),
+    "gdr-steps-a-shape": (
+        lambda: fused_ops.gated_delta_rule_steps(
+            torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8), torch.randn(2, 3, 2, 8), torch.randn(2, 2, 2),
+            torch.randn(2, 3, 2), torch.zeros(2), torch.zeros(2), torch.randn(2, 2, 8, 8),
+        ),
+        r"a must be \[B, T, HV\] = \(2, 3, 2\).*got \(2, 2, 2\)",
+    ),
+    "gdr-steps-saved-shape": (
+        lambda: fused_ops.gated_delta_rule_steps(
+            torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8), torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2),
+            torch.randn(2, 3, 2), torch.zeros(2), torch.zeros(2), torch.randn(2, 2, 8, 8),
+            saved=torch.empty(2, 2, 2, 8, 8),
+        ),
+        r"saved must be \[T, B, HV, K, V\] = \(3, 2, 2, 8, 8\) float32, got \(2, 2, 2, 8, 8\)",
+    ),
+    "conv-steps-x-2d": (
+        lambda: fused_ops.causal_conv1d_steps(torch.randn(2, 16), torch.randn(2, 16, 4), torch.randn(16, 4)),
+        r"x must be \[B, T, D\], got shape \(2, 16\)",
+    ),
+    "conv-steps-saved-dtype": (
+        lambda: fused_ops.causal_conv1d_steps(torch.randn(2, 3, 16), torch.randn(2, 16, 4), torch.randn(16, 4),
+                                              saved=torch.empty(3, 2, 16, 4, dtype=torch.float16)),
+        r"saved must be \[T, B, D, W\] = \(3, 2, 16, 4\) in conv_state's dtype torch.float32",
     ),
 }
 
@@ -801,6 +908,22 @@ def test_causal_conv1d_step_mixed_dtypes_cuda(dtype):
 )
 def test_gated_delta_rule_step_cuda(dtype, B, H, HV, K, V):
     check_gdr_step("cuda", dtype, B, H, HV, K, V, use_out=B == 3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T", [2, 4], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("D", [8192, 10240], ids=lambda d: f"D{d}")
+def test_causal_conv1d_steps_cuda(dtype, T, D):
+    check_conv_steps("cuda", dtype, 1, T, D)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T", [2, 4], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("H, HV, K, V", [(16, 32, 128, 128), (16, 48, 128, 128)], ids=["H16-HV32", "H16-HV48"])
+def test_gated_delta_rule_steps_cuda(dtype, T, H, HV, K, V):
+    check_gdr_steps("cuda", dtype, 1, T, H, HV, K, V)
 
 
 @pytest.mark.cuda
