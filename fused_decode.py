@@ -100,8 +100,10 @@ class DecodeState:
         self.owner = None
         self.prefill_graphs = {}  # prompt-length bucket -> _PrefillGraph
         self.prefill_calls = {}  # prompt-length bucket -> prefills seen (captured on the second)
-        self.verify_graphs = {}  # verify length T -> _VerifyGraph once captured; False after a failed capture
-        self.verify_calls = {}  # verify length T -> verify passes seen (captured on the second)
+        # (verify length T, buffer set 0 / 1) -> _VerifyGraph once captured, False after a failed capture; two sets so
+        # that a pass's outputs (its saved states) outlive the next pass (pipelined speculative rounds)
+        self.verify_graphs = {}
+        self.verify_calls = {}  # the same keys -> verify passes seen (captured on the second)
         self.mtp_drafter = None  # fused_mtp_decode.MTPDecodeState: the MTP head's cache and draft graphs, once used
 
     @classmethod
@@ -303,10 +305,11 @@ class DecodeState:
 
         Every linear and norm runs once over the B * T rows (the weights read once, which is what a verify step
         saves over T steps); the per-token parts run token by token on the live buffers with the step's own ops:
-        the rotary cos / sin and key mark, the conv step and the gated delta rule (the conv and recurrent state after
-        each of the first T - 1 tokens copied aside), ``attn_prep`` writing K/V at slot + t and ``decode_attention``
-        over the keys up to it. Afterwards the buffers hold the state after all T tokens (slot and positions moved on
-        by T). Returns the final-norm hidden states [B, T, hidden] and the saved states."""
+        the rotary cos / sin and key mark, and ``attn_prep`` writing K/V at slot + t and ``decode_attention`` over the
+        keys up to it; the conv step and the gated delta rule run the T tokens in one launch each
+        (``causal_conv1d_steps``, ``gated_delta_rule_steps``: the conv and recurrent state after each token written
+        aside, when T > 1). Afterwards the buffers hold the state after all T tokens (slot and positions moved on by
+        T). Returns the final-norm hidden states [B, T, hidden] and the saved states."""
         B, T = tokens.shape
         N = B * T  # rows, b-major: row b * T + t is token t of sequence b
         ops = self.ops
@@ -352,22 +355,20 @@ class DecodeState:
         proj = self.ops.small_linear(x.view(B * T, -1), w).view(B, T, -1)  # q|k|v before the conv, z, b, a
         mixed, z, b, a = torch.split(proj, [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads], dim=-1)
         conv_w = m.conv1d.weight.squeeze(1)
-        if T > 1:  # the states after tokens 0 .. T - 2, stacked: a rollback indexes them (on the host or the device)
-            conv_saved[i] = self.conv[i].new_empty((T - 1, *self.conv[i].shape))
-            recurrent_saved[i] = self.recurrent[i].new_empty((T - 1, *self.recurrent[i].shape))
-        cores = []
-        for t in range(T):
-            # [B, conv_dim] after the conv + SiLU, the conv state moved on by this token
-            qkv = self.ops.causal_conv1d_step(mixed[:, t], self.conv[i], conv_w, m.conv1d.bias)
-            q, k, v = torch.split(qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
-            cores.append(self.ops.gated_delta_rule_step(
-                q.reshape(B, m.num_k_heads, m.head_k_dim), k.reshape(B, m.num_k_heads, m.head_k_dim),
-                v.reshape(B, m.num_v_heads, m.head_v_dim), a[:, t], b[:, t], m.A_log, m.dt_bias, self.recurrent[i],
-            ))  # [B, HV, Dv]
-            if t < T - 1:  # the state after token t, for a rollback to it
-                conv_saved[i][t].copy_(self.conv[i])
-                recurrent_saved[i][t].copy_(self.recurrent[i])
-        core = torch.stack(cores, dim=1).view(B * T, m.num_v_heads, m.head_v_dim)
+        # the states after tokens 0 .. T - 1, stacked: a rollback indexes them (on the host or the device), the last
+        # one too, so that a round can be undone after the next one has run (pipelined speculative rounds)
+        save = T > 1
+        if save:
+            conv_saved[i] = self.conv[i].new_empty((T, *self.conv[i].shape))
+            recurrent_saved[i] = self.recurrent[i].new_empty((T, *self.recurrent[i].shape))
+        # the T tokens' conv + SiLU, then their delta rule, one launch each, the state after each token kept aside
+        qkv = self.ops.causal_conv1d_steps(mixed, self.conv[i], conv_w, m.conv1d.bias, saved=conv_saved.get(i))
+        q, k, v = torch.split(qkv, [m.key_dim, m.key_dim, m.value_dim], dim=-1)  # [B, T, *]
+        core = self.ops.gated_delta_rule_steps(
+            q.unflatten(-1, (m.num_k_heads, m.head_k_dim)), k.unflatten(-1, (m.num_k_heads, m.head_k_dim)),
+            v.unflatten(-1, (m.num_v_heads, m.head_v_dim)), a, b, m.A_log, m.dt_bias, self.recurrent[i],
+            saved=recurrent_saved.get(i),
+        ).view(B * T, m.num_v_heads, m.head_v_dim)
         core = self.ops.gated_rms_norm(core, z.reshape(B * T, -1), m.norm.weight, m.norm.variance_epsilon)
         return step_linear(self.ops, core, m.out_proj.weight, m.out_proj.bias).view(B * T, 1, -1)
 
@@ -387,35 +388,40 @@ class DecodeState:
         o = torch.stack(outs, dim=1).view(B * T, H * D)
         return step_linear(self.ops, o, m.o_proj.weight, m.o_proj.bias).view(B * T, 1, -1)
 
-    def rollback(self, verified: "Verified", keep: int, first_slot: int) -> None:
-        """End the state after the first ``keep`` + 1 tokens of ``verified``'s step (all of them: nothing to do): the
-        saved conv / recurrent states copied back, slot and positions set after that token, the later keys marked
-        invalid (``first_slot``: the host's count of the slot the step started at)."""
+    def rollback(self, verified: "Verified", keep: int, first_slot: int, overrun: bool = False) -> None:
+        """End the state after the first ``keep`` + 1 tokens of ``verified``'s step (all of them: nothing to do,
+        unless ``overrun``): the saved conv / recurrent states copied back, slot and positions set after that token,
+        the later keys marked invalid (``first_slot``: the host's count of the slot the step started at). ``overrun``:
+        a later step has run since (a pipelined round), so the state is restored even after all T tokens and every
+        key past them is marked invalid too."""
         T = verified.hidden.shape[1]
-        if keep >= T - 1:
+        if keep >= T - 1 and not overrun:
             return
         for i, saved in verified.conv.items():
             self.conv[i].copy_(saved[keep])
             self.recurrent[i].copy_(verified.recurrent[i][keep])
         self.slot.copy_(verified.slot + keep + 1)
         self.positions.copy_(verified.positions + keep + 1)
-        self.key_valid[:, first_slot + keep + 1 : first_slot + T] = False
+        self.key_valid[:, first_slot + keep + 1 : None if overrun else first_slot + T] = False
 
-    def verify_graphed(self, text_model, tokens: torch.Tensor, run, head: nn.Module, use_graph: bool):
+    def verify_graphed(self, text_model, tokens: torch.Tensor, run, head: nn.Module, use_graph: bool,
+                       buffers: int = 0):
         """``run(tokens)`` (a :meth:`verify` pass and the LM head over its rows: ``(logits, Verified)``), from one CUDA
-        graph per verify length T: a T's first pass runs eagerly (it warms every kernel), the second is captured, every
-        later one copies ``tokens`` [B, T] into the graph's input and replays. What it returns lives in the graph's
-        memory until the next replay of that T (the speculative loop reads it and rolls back before its next verify).
-        Eager off CUDA, without ``use_graph``, and after a failed capture (announced once)."""
+        graph per (verify length T, ``buffers`` set 0 or 1): its first pass runs eagerly (it warms every kernel), the
+        second is captured, every later one copies ``tokens`` [B, T] into the graph's input and replays. What it
+        returns lives in the graph's memory until the next replay of that key (the speculative loop reads it and rolls
+        back before it replays the same set again; pipelined rounds alternate the sets). Eager off CUDA, without
+        ``use_graph``, and after a failed capture (announced once)."""
         T = tokens.shape[1]
-        entry = self.verify_graphs.get(T)
+        key = (T, buffers)
+        entry = self.verify_graphs.get(key)
         if entry is None and use_graph and self.device.type == "cuda":
-            self.verify_calls[T] = calls = self.verify_calls.get(T, 0) + 1
+            self.verify_calls[key] = calls = self.verify_calls.get(key, 0) + 1
             if calls >= 2:
                 static = tokens.clone()
                 captured = capture_graph(text_model, lambda: run(static), None,
                                          f"speculative verify step ({T} tokens)", warm=False)
-                self.verify_graphs[T] = entry = False if captured is None else _VerifyGraph(
+                self.verify_graphs[key] = entry = False if captured is None else _VerifyGraph(
                     captured[0], static, captured[1], WeightsSnapshot(text_model, head))
                 if entry:
                     entry.graph.replay()
@@ -475,7 +481,7 @@ class _VerifyGraph(NamedTuple):
 class Verified(NamedTuple):
     """What :meth:`DecodeState.verify` returns: the final-norm hidden states [B, T, hidden], the slot [1] and
     positions [3, B, 1] the step started at, and per linear-attention layer the conv / recurrent states after each of
-    the first T - 1 tokens, stacked ([T - 1, B, ...])."""
+    its T tokens, stacked ([T, B, ...]; none when T = 1)."""
 
     hidden: torch.Tensor
     slot: torch.Tensor

@@ -111,12 +111,25 @@ def fused_sample(model, text_model, runner, cache: FusedDecodeCache, input_ids, 
                  generation_config, streamer, model_kwargs):
     """Greedy / multinomial decoding on ``cache`` (see the module docstring); returns what stock ``_sample``
     returns."""
+    ret = generation_config.return_dict_in_generate
+    scores = () if ret and generation_config.output_scores else None
+    raw_logits = () if ret and generation_config.output_logits else None
+    outputs = run_prefill(model, input_ids, generation_config, model_kwargs)
+    logits = outputs.logits[:, -1]
+    del outputs
+    return decode_loop(model, text_model, runner, cache, input_ids, logits, logits_processor, stopping_criteria,
+                       generation_config, streamer, scores, raw_logits)
+
+
+def decode_loop(model, text_model, runner, cache: FusedDecodeCache, input_ids, logits, logits_processor,
+                stopping_criteria, generation_config, streamer, scores, raw_logits):
+    """The loop of :func:`fused_sample` from ``logits`` [B, vocab], the next token's, with the cache holding the
+    state after ``input_ids`` (the prompt's prefill, or a speculative call handing over mid-way, whose ``scores`` /
+    ``raw_logits`` tuples, or None, it continues); returns what stock ``_sample`` returns."""
     pad = pad_token_tensor(generation_config)
     if pad is not None:
         pad = pad.to(input_ids.device)
     ret = generation_config.return_dict_in_generate
-    scores = () if ret and generation_config.output_scores else None
-    raw_logits = () if ret and generation_config.output_logits else None
     keep_logits = scores is not None or raw_logits is not None
     # Stock turns each step's logits into float32 for the processors, the sampling and the outputs. A greedy step
     # that nothing else reads takes its argmax in the model's dtype: the same token (the conversion is exact and
@@ -131,11 +144,8 @@ def fused_sample(model, text_model, runner, cache: FusedDecodeCache, input_ids, 
     check_every = 1 if exact_stop else STOP_CHECK_EVERY
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-    outputs = run_prefill(model, input_ids, generation_config, model_kwargs)
-    logits = outputs.logits[:, -1]
     logits = logits.to(copy=True, dtype=torch.float32 if to_float else logits.dtype, device=input_ids.device)
-    del outputs
-    prompt_len = input_ids.shape[1]
+    prompt_len = input_ids.shape[1]  # the loop's own start: its stop checks count from here
     stops = StopFlags(check_every, lag=0 if exact_stop else 1)
     stop_at = None
     while True:

@@ -79,6 +79,7 @@ class MTPDecodeState:
             self.forced = torch.full((1,), -1, dtype=torch.long, device=self.device)  # a set acceptance; -1: the rule's
         self.rope = rope_plan(head.rotary_emb, self.device)
         self.count = 0  # the host's copy of the pairs the cache holds (what `slot` is set to before a call)
+        self.host_copies = {}  # pinned host buffers a round's results are read through (fused_speculative.read_later)
         self._pack(model)
 
     def _pack(self, model) -> None:
@@ -237,12 +238,10 @@ class MTPDecodeState:
         steps = torch.arange(T, device=logits.device)
         following = targets.index_select(0, n)  # [1]: the model's token after the n accepted drafts
         emitted = torch.where(steps < n, torch.cat([drafts[0], following]), following)  # [T]
-        # the backbone after token n: state n saved by the pass (n < k) or the live one (n = k)
-        live = n >= k
-        pick = n.clamp(max=k - 1)
+        # the backbone after token n: the state the pass saved after it (one gather a state, written in place)
         for i, saved in verified.conv.items():
             for state, kept in ((st.conv[i], saved), (st.recurrent[i], verified.recurrent[i])):
-                state.copy_(torch.where(live, state, kept.index_select(0, pick)[0]))
+                torch.index_select(kept, 0, n, out=state[None])
         st.slot.copy_(verified.slot + n + 1)
         st.positions.copy_(verified.positions + n + 1)
         st.key_valid[:, verified.slot + steps] = (steps <= n)[None]
@@ -272,7 +271,8 @@ class MTPDecodeState:
         if entry is None and graphed and use_graph and self.device.type == "cuda":
             self.tail_calls[key] = calls = self.tail_calls.get(key, 0) + 1
             if calls >= 2:
-                for old in [other for other in self.tails if other[0] == T]:
+                live = {id(graph.out[1]) for graph in st.verify_graphs.values() if graph}
+                for old in [other for other in self.tails if other[1] not in live]:
                     del self.tails[old]  # the verify graph it read was captured again
                 captured = capture_graph(model._text_model(),
                                          lambda: self.round_tail(model, st, verified, logits, drafts), None,

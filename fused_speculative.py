@@ -27,9 +27,12 @@ next round's pairs (the static drafter, ``fused_mtp_decode``).
 Rounds on the device: for greedy decoding without logits processors, stopped by EOS and ``max_new_tokens`` only,
 with no scores asked, each round after the prompt's is the verify pass (its graph) then one tail on the device
 (``MTPDecodeState.round_tail``, a graph per length): acceptance, the next token, the rollback to after it, the head
-fed the confirmed pairs and k new drafts, written where the next verify pass reads them. The host reads n and the
-round's tokens once, checks EOS and the length on them, and launches the next round; a stop inside the round rolls
-the backbone back further, from the states the verify pass kept. Anything else runs the round on the host (below).
+fed the confirmed pairs and k new drafts, written where the next verify pass reads them. The rounds are pipelined:
+round r + 1's verify pass is queued (into the other of two verify buffer sets) before round r's results are read
+through pinned memory, so the GPU runs it while the host checks round r's tokens for EOS and the length; a stop found
+in round r rolls the backbone back from the states round r's pass kept, undoing round r + 1. Near ``max_length``,
+and with a draft override, a round is read before the next is queued. Anything else runs the round on the host
+(below).
 
 Stopping criteria, EOS, ``max_new_tokens`` (a round drafts at most what is left minus one), streamers, scores and
 the returned cache are as in ``fused_generate.fused_sample``: the tokens of a round are checked one by one (one
@@ -47,7 +50,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .fused_compat import run_prefill
 from .fused_decode import FusedDecodeCache
-from .fused_generate import finish_generate, stop_rows
+from .fused_generate import decode_loop, finish_generate, next_logits, stop_rows
 from .fused_mtp_decode import MTPDecodeState, static_draft_blocker
 from .fused_plan import announce
 
@@ -57,6 +60,13 @@ SPECULATIVE_TOKENS_FIELD = "mtp_speculative_tokens"  # the config / generation-c
 # pass runs from a CUDA graph per length, the head eagerly); then 2, as vLLM's and SGLang's Qwen3-Next / Qwen3.5 MTP
 # examples set num_speculative_tokens.
 DEFAULT_SPECULATIVE_TOKENS = 0
+# What a round costs in plain decode steps when it emits one token (acceptance 0), by drafts a round: a call whose
+# rounds emit fewer tokens than that on average after PROBE_ROUNDS rounds hands over to plain fused decode for the
+# rest of it (said once). 4B on the H200, pipelined greedy rounds on the device (BENCHMARKS, "Speculative decoding"):
+# 1.71, 1.83, 2.10 plain steps at k = 1, 2, 3; 9B and 27B cost less (1.2-1.8), 0.8B more (2.7-3.5: it never gains).
+# Past k = 3: 0.3 a draft more.
+ROUND_COST_STEPS = {1: 1.7, 2: 1.8, 3: 2.1}
+PROBE_ROUNDS = 4
 # `generate(..., mtp_speculative_tokens=k)` for the call in progress (None: not given): the model's generate takes the
 # argument (stock's model-kwargs check would refuse it) and its `_sample` hook reads it.
 CALL_SPECULATIVE_TOKENS: contextvars.ContextVar = contextvars.ContextVar("qwen3_5_mtp_tokens", default=None)
@@ -107,7 +117,8 @@ def describe_speculative(model) -> dict:
                  "token by token, the state after each token kept for the rollback; one CUDA graph per k + 1 with "
                  "cuda_graphs on) and emits the accepted prefix "
                  "plus the model's next token; greedy: the non-speculative tokens, sampling: standard speculative "
-                 "sampling" if reason is None else "off"),
+                 f"sampling; a call whose first {PROBE_ROUNDS} rounds (and later) emit fewer tokens a round than a "
+                 "round costs in plain steps decodes on without drafts" if reason is None else "off"),
         "falls_back": "batch > 1, a padded prompt, inputs_embeds, a model split over devices (non-speculative fused "
                       "decode, said once)",
         "reason": reason,
@@ -179,16 +190,18 @@ def override_drafts(fn):
         _DRAFT_OVERRIDE.reset(token)
 
 
-def verify_logits(model, text_model, cache: FusedDecodeCache, tokens: torch.Tensor):
+def verify_logits(model, text_model, cache: FusedDecodeCache, tokens: torch.Tensor, buffers: int = 0,
+                  ahead: int = 0):
     """The verify pass over ``tokens`` [B, T] on ``cache``: ``(logits [B, T, vocab] in the model's dtype, the
-    ``Verified`` record)``, from the state's CUDA graph for T when the cache runs graphs
-    (``DecodeState.verify_graphed``: both live in the graph's memory until its next replay). The LM head runs over the
-    T rows through ``small_linear`` when it is a plain bias-free ``nn.Linear`` in the hidden state's dtype (as
-    ``fused_generate.step_logits``), else as it is."""
+    ``Verified`` record)``, from the state's CUDA graph for (T, ``buffers``) when the cache runs graphs
+    (``DecodeState.verify_graphed``: both live in the graph's memory until the next replay of that key). ``ahead``:
+    tokens a round not yet read may still add before this pass (a pipelined round), counted in the room check. The
+    LM head runs over the T rows through ``small_linear`` when it is a plain bias-free ``nn.Linear`` in the hidden
+    state's dtype (as ``fused_generate.step_logits``), else as it is."""
     st = cache._buffers()
-    if cache._seq_len + cache._pad + tokens.shape[1] > st.max_len:
+    if cache._seq_len + cache._pad + ahead + tokens.shape[1] > st.max_len:
         raise ValueError(f"The fused decode cache holds {st.max_len} tokens; a verify step of {tokens.shape[1]} "
-                         f"after {cache._seq_len + cache._pad} does not fit.")
+                         f"after {cache._seq_len + cache._pad + ahead} does not fit.")
     head = model.lm_head
 
     def run(step_tokens):
@@ -201,7 +214,28 @@ def verify_logits(model, text_model, cache: FusedDecodeCache, tokens: torch.Tens
             return st.ops.small_linear(hidden.reshape(B * T, -1), weight).view(B, T, -1), verified
         return head(hidden), verified
 
-    return st.verify_graphed(text_model, tokens.to(st.device), run, head, cache._use_graph)
+    return st.verify_graphed(text_model, tokens.to(st.device), run, head, cache._use_graph, buffers)
+
+
+def read_later(packed: torch.Tensor, copies: dict, key):
+    """Start copying ``packed`` (a round's int64 results) to the host without waiting: on CUDA into a pinned buffer
+    of ``copies`` (one per ``key``, reused) with an event behind it. Returns the function that waits for that copy
+    only (not for work queued after it) and gives the values as a list."""
+    if packed.device.type != "cuda":
+        values = packed.clone()  # `packed` may be a graph's output, which the next replay overwrites
+        return values.tolist
+    host = copies.get(key)
+    if host is None or host.shape != packed.shape:
+        host = copies[key] = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+
+    def read():
+        event.synchronize()
+        return host.tolist()
+
+    return read
 
 
 def drafter_for(model, st, k: int):
@@ -309,6 +343,37 @@ def accept(p_scores: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
     return n, torch.multinomial(dist, num_samples=1).squeeze(1)
 
 
+class Governor:
+    """Whether a call's speculation pays: after ``PROBE_ROUNDS`` rounds, the mean tokens a round emitted against what
+    a round costs in plain steps (``ROUND_COST_STEPS``). Host ints only (the round's n is read anyway)."""
+
+    def __init__(self, k: int, active: bool):
+        self.k, self.active = k, active
+        self.cost = ROUND_COST_STEPS.get(k, ROUND_COST_STEPS[3] + 0.3 * (k - 3))
+        self.rounds = self.tokens = 0
+
+    def gives_up(self, tokens: int) -> bool:
+        """Count a round of ``tokens`` emitted; True when speculation should stop for the rest of the call."""
+        self.rounds += 1
+        self.tokens += tokens
+        if not self.active or self.rounds < PROBE_ROUNDS or self.tokens >= self.cost * self.rounds:
+            return False
+        announce(f"mtp/gave-up/{self.k}", f"Qwen3.5 fused: speculative decoding stopped for the rest of a generate() "
+                 f"call: its rounds of {self.k} draft(s) emitted {self.tokens / self.rounds:.2f} tokens on average "
+                 f"over {self.rounds}, less than the {self.cost:.1f} plain steps a round costs; plain fused decode "
+                 f"goes on (said once).")
+        return True
+
+
+def _hand_over(model, text_model, cache, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+               scores, raw_logits):
+    """Plain fused decode for the rest of the call: the last emitted token fed (the rounds leave the backbone before
+    it), then ``fused_generate.decode_loop``."""
+    logits = next_logits(model, text_model, text_model.runner, cache, input_ids[:, -1])
+    return decode_loop(model, text_model, text_model.runner, cache, input_ids, logits, logits_processor,
+                       stopping_criteria, generation_config, streamer, scores, raw_logits)
+
+
 def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input_ids, logits_processor,
                        stopping_criteria, generation_config, streamer, model_kwargs):
     """``fused_generate.fused_sample`` with k drafted tokens a round (see the module docstring), for one row;
@@ -345,17 +410,27 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
     if device_rounds:
         drafter.forced.fill_(-1)  # the rule's acceptance unless a benchmark sets it (each round, below)
     drafts = input_ids[:, :0]
-    q, verified, first_slot = None, None, 0
+    # a benchmark's or a test's hook sets what the rounds do: the call speculates to its end then
+    governor = Governor(k, active=forced is None and override is None)
+    q, verified, first_slot, buffers = None, None, 0, 0  # buffers: the verify buffer set `verified` lives in
     while True:
         cur = input_ids.shape[1]
         if device_rounds and verified is not None and drafts.shape[1] == k:
             # the whole round on the device (acceptance, rollback, the head's pairs and next drafts), one host read
-            graph = st.verify_graphs.get(k + 1)
+            graph = st.verify_graphs.get((k + 1, buffers))
             if forced is not None:
                 drafter.forced.fill_(forced(None, k))
             packed, following = drafter.tail(model, st, verified, p_logits, drafts, cache._use_graph,
                                              graphed=bool(graph) and graph.out[1] is verified)
-            values = packed.tolist()
+            read = read_later(packed, drafter.host_copies, buffers)
+            # The next round's verify pass goes in before this round is read (its input never left the device), into
+            # the other buffer set, when it fits whatever this round emits: the GPU runs it while the host reads and
+            # checks this round. A stop found in this round undoes it from this round's saved states.
+            ahead = (override is None and (max_length is None or max_length - (cur + k + 1) - 1 >= k)
+                     and cache._seq_len + cache._pad + 2 * (k + 1) <= st.max_len)
+            if ahead:
+                next_out = verify_logits(model, text_model, cache, following, buffers=1 - buffers, ahead=k + 1)
+            values = read()
             n = values[0]
             emitted, stopped = 0, False
             for token in values[1 : n + 2]:  # nothing after a stop is emitted
@@ -370,20 +445,30 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
                     streamer.put(tokens[:, j].cpu())
             if rounds is not None:
                 rounds.append((k, n))
-            if emitted < n + 1:  # a stop inside the round: back to after the emitted tokens but the last
-                st.rollback(verified, emitted - 1, first_slot)
+            if emitted < n + 1 or (stopped and ahead):  # back to after the emitted tokens but the last
+                st.rollback(verified, emitted - 1, first_slot, overrun=ahead)
             cache._seq_len += emitted
             drafter.count += n + 1
             left = None if max_length is None else max_length - input_ids.shape[1]
             if stopped or left == 0:
                 break
-            if left is None or left - 1 >= k:
+            if governor.gives_up(n + 1):
+                if ahead:  # undo the round queued ahead: the backbone back to after this round's tokens but the last
+                    st.rollback(verified, n, first_slot, overrun=True)
+                return _hand_over(model, text_model, cache, input_ids, logits_processor, stopping_criteria,
+                                  generation_config, streamer, scores, raw_logits)
+            if ahead or left is None or left - 1 >= k:
                 drafts = following[:, 1:]
-                if override is not None:
-                    drafts = override(drafts.clone(), input_ids)
                 first_slot = cache._seq_len + cache._pad
-                p_logits, verified = verify_logits(model, text_model, cache,
-                                                   torch.cat([input_ids[:, -1:], drafts], dim=-1))
+                buffers = 1 - buffers
+                if ahead:
+                    p_logits, verified = next_out
+                else:
+                    if override is not None:
+                        drafts = override(drafts.clone(), input_ids)
+                    p_logits, verified = verify_logits(model, text_model, cache,
+                                                       torch.cat([input_ids[:, -1:], drafts], dim=-1),
+                                                       buffers=buffers)
                 hidden = verified.hidden
                 continue
             # near max_length the rounds draft fewer tokens, eagerly: the head's pairs are fed again there
@@ -422,6 +507,9 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
             left = None if max_length is None else max_length - input_ids.shape[1]
             if False in running or left == 0:
                 break
+            if verified is not None and drafts.shape[1] and governor.gives_up(n + 1):
+                return _hand_over(model, text_model, cache, input_ids, logits_processor, stopping_criteria,
+                                  generation_config, streamer, scores, raw_logits)
         # the head's next pairs: the verified rows the emitted tokens follow (after the prompt: all of it)
         pending_hidden = hidden[:, : hidden.shape[1] - p_logits.shape[1] + emitted]
         pending_tokens = torch.cat([known_next, tokens[:, :emitted]], dim=-1)
@@ -433,7 +521,7 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
                 drafts = override(drafts, input_ids)
         else:
             drafts, q = input_ids[:, :0], None
-        first_slot = cache._seq_len + cache._pad
+        first_slot, buffers = cache._seq_len + cache._pad, 0
         p_logits, verified = verify_logits(model, text_model, cache, torch.cat([input_ids[:, -1:], drafts], dim=-1))
         hidden, known_next = verified.hidden, input_ids[:, :0]
 

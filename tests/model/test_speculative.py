@@ -30,6 +30,7 @@ from helpers import (  # noqa: F401 - fused_on_cpu: the fixture
     generate_stock,
     import_module,
     modeling,
+    needs_interpreter,
     run_stock,
 )
 from scripts.common import tiny_moe_text_kwargs, tiny_text_kwargs
@@ -404,6 +405,31 @@ def test_the_drafts_follow_the_heads_weights_and_saves_keep_them(tmp_path):
 
 
 @cpu_emulated
+@needs_interpreter
+def test_the_verify_pass_on_its_few_token_kernels(monkeypatch):
+    """The verify pass's DeltaNet part on its Triton kernels (``causal_conv1d_steps``, ``gated_delta_rule_steps``,
+    run by the interpreter; every other op on its reference) as the model wires them (views of the packed
+    projection, the saved states the rollback reads): the tokens and the returned cache of the all-reference run,
+    with drafts half right (partial rollbacks)."""
+    fused_ops = import_module("fused_ops")
+    _, fused = _pair(seed=4)
+    ids = _prompt(seed=4)
+    with torch.no_grad():
+        plain = fused.generate(ids, max_new_tokens=12, mtp_speculative_tokens=0, **GREEDY)
+        runs = []
+        for kernels in (False, True):
+            if kernels:
+                ops = fused.fused_plan.ops
+                for name in ("causal_conv1d_steps", "gated_delta_rule_steps"):
+                    monkeypatch.setattr(ops, name, getattr(fused_ops, name))
+            with spec.override_drafts(_oracle(plain.sequences, 0.5, seed=1)), spec.record_rounds() as rounds:
+                runs.append(fused.generate(ids, max_new_tokens=12, mtp_speculative_tokens=3, **GREEDY))
+            assert any(0 < n < d for d, n in rounds), rounds
+    assert torch.equal(runs[1].sequences, runs[0].sequences) and torch.equal(runs[0].sequences, plain.sequences)
+    assert_caches_close(cache_of(runs[1]), cache_of(runs[0]), fused.config.layer_types, CACHE_BOUND)
+
+
+@cpu_emulated
 def test_rounds_run_on_the_device_when_the_host_needs_nothing_else(monkeypatch):
     """Greedy drafting without logits processors, stopped by EOS / ``max_new_tokens`` only, no scores asked: every
     round after the prompt's runs on the device (``MTPDecodeState.round_tail``: acceptance, rollback, the head's
@@ -556,6 +582,41 @@ def test_batch_of_two_decodes_without_drafts_said_once():
     assert any(key.startswith("mtp/speculative-off/the batch has 2 rows") for key in plan_mod.announced())
 
 
+@cpu_emulated
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_a_call_whose_drafts_miss_hands_over_to_plain_decode(sample):
+    """A random head's drafts miss: after ``PROBE_ROUNDS`` rounds of one token each (less than a round costs), the
+    call decodes on without drafts, said once. Greedy: the tokens, scores and returned cache are the non-speculative
+    ones. Sampling: as many tokens and scores, and a cache that holds them (the draws differ from a plain call's: the
+    rounds drew from the generator in another order). Under a benchmark's or a test's hook the call speculates to its
+    end."""
+    _, fused = _pair(seed=11)
+    ids = _prompt(seed=11)
+    new = 20
+    kwargs = dict(max_new_tokens=new, eos_token_id=None, output_scores=True, **GREEDY)
+    if sample:
+        kwargs.update(do_sample=True, top_k=4)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        plain = fused.generate(ids, mtp_speculative_tokens=0, **kwargs)
+        torch.manual_seed(0)
+        with spec.record_rounds() as rounds:
+            out = fused.generate(ids, mtp_speculative_tokens=2, **kwargs)
+        assert len(rounds) == spec.PROBE_ROUNDS and sum(n for _, n in rounds) == 0, rounds
+        assert any(key.startswith("mtp/gave-up/2") for key in plan_mod.announced())
+        assert out.sequences.shape == plain.sequences.shape and len(out.scores) == new
+        got = cache_of(out)
+        assert got.get_seq_length() == out.sequences.shape[1] - 1
+        if not sample:
+            assert torch.equal(out.sequences, plain.sequences)
+            assert_caches_close(got, cache_of(plain), fused.config.layer_types, CACHE_BOUND)
+            for a, b in zip(out.scores, plain.scores):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        with spec.override_drafts(_oracle(plain.sequences, 0.0)), spec.record_rounds() as rounds:
+            fused.generate(ids, mtp_speculative_tokens=2, **kwargs)
+        assert len(rounds) > spec.PROBE_ROUNDS, rounds
+
+
 # -- the shipped checkpoint -------------------------------------------------------------------------------------------
 
 
@@ -595,6 +656,53 @@ def test_shipped_checkpoint_greedy_equal_and_drafts_accepted(shipped):
                     accepted += sum(n for _, n in rounds)
                     drafted += sum(d for d, _ in rounds)
     assert 0.35 < accepted / drafted, (accepted, drafted)
+
+
+def _check_pipelined_stops(model, ids, monkeypatch) -> None:
+    """Greedy rounds on the device are pipelined (the next round's verify pass queued before a round is read): with
+    the trained head (rounds of several tokens) and EOS set to each new token in turn, the sequence and the returned
+    cache are those of the non-speculative call with that EOS, whether the stop falls inside a round or on its last
+    token, both undone after the next round has run (``rollback(..., overrun=True)``)."""
+    decode = import_module("fused_decode")
+    undone, queued = [], []
+    rollback, verify = decode.DecodeState.rollback, spec.verify_logits
+
+    def spy_rollback(self, verified, keep, first_slot, overrun=False):
+        if overrun:
+            undone.append((keep, verified.hidden.shape[1]))
+        return rollback(self, verified, keep, first_slot, overrun)
+
+    def spy_verify(*args, ahead=0, **kwargs):
+        if ahead:
+            queued.append(ahead)
+        return verify(*args, ahead=ahead, **kwargs)
+
+    monkeypatch.setattr(decode.DecodeState, "rollback", spy_rollback)
+    monkeypatch.setattr(spec, "verify_logits", spy_verify)
+    monkeypatch.setattr(spec, "PROBE_ROUNDS", 10**6)  # every round speculative, whatever the head's acceptance
+    with torch.no_grad():
+        free = model.generate(ids, max_new_tokens=24, mtp_speculative_tokens=0, eos_token_id=None, **GREEDY)
+        new = free.sequences[0, ids.shape[1]:].tolist()
+        stops = [at for at in range(1, len(new)) if new[at] not in new[:at]]
+        for k in (2, 3):
+            for at in stops:
+                kwargs = dict(max_new_tokens=24, eos_token_id=new[at], **GREEDY)
+                plain = model.generate(ids, mtp_speculative_tokens=0, **kwargs)
+                out = model.generate(ids, mtp_speculative_tokens=k, **kwargs)
+                assert plain.sequences.shape[1] == ids.shape[1] + at + 1
+                assert torch.equal(out.sequences, plain.sequences), (k, at)
+                assert cache_of(out).get_seq_length() == plain.sequences.shape[1] - 1
+                assert_caches_close(cache_of(out), cache_of(plain), model.config.get_text_config().layer_types,
+                                    CACHE_BOUND)
+    assert queued, "no round was pipelined"
+    assert any(keep < T - 1 for keep, T in undone), undone  # a stop inside a round, after the next one ran
+    assert any(keep == T - 1 for keep, T in undone), undone  # a stop on a round's last token, the same
+
+
+def test_pipelined_rounds_stop_anywhere_in_a_round(shipped, monkeypatch):
+    """``_check_pipelined_stops`` on the CPU emulation."""
+    model, tokenizer = shipped
+    _check_pipelined_stops(model, _heldout_prompts(tokenizer, count=1)[0], monkeypatch)
 
 
 def _sampling_pvalue(model, ids, runs: int = 400) -> float:
@@ -661,6 +769,20 @@ def test_gpu_greedy_fp32_equal_non_speculative():
             for k in (1, 2, 3):
                 assert torch.equal(model.generate(ids, max_new_tokens=64, do_sample=False, mtp_speculative_tokens=k),
                                    plain), k
+
+
+@pytest.mark.cuda
+def test_gpu_pipelined_rounds_stop_anywhere_in_a_round(monkeypatch):
+    """``_check_pipelined_stops`` in fp32 on the GPU, where the verify passes and the tails replay their graphs (two
+    buffer sets a length) and the round's results come back through pinned memory."""
+    from transformers import AutoTokenizer
+
+    model = _shipped_on_gpu(torch.float32)
+    ids = _heldout_prompts(AutoTokenizer.from_pretrained(str(REPO)), count=1)[0].cuda()
+    _check_pipelined_stops(model, ids, monkeypatch)
+    states = model._text_model().runner.decode_states.values()
+    assert all(any(state.verify_graphs.get((4, b)) for state in states) for b in (0, 1))
+    assert any(state.mtp_drafter is not None and any(state.mtp_drafter.tails.values()) for state in states)
 
 
 @pytest.mark.cuda
@@ -735,7 +857,7 @@ def test_gpu_verify_graphs_give_the_non_speculative_tokens_and_cache(moe):
                     assert torch.equal(out.sequences, plain.sequences), (change, k)
                     assert any(0 < n for _, n in rounds) and any(n < d for d, n in rounds), rounds
                     states = fused._text_model().runner.decode_states.values()
-                    assert any(state.verify_graphs.get(k + 1) for state in states), k
+                    assert any(state.verify_graphs.get((k + 1, b)) for state in states for b in (0, 1)), k
                     # the dense head's rounds run on the device, from a tail graph per length; the MoE head's on
                     # the host, drafting eagerly
                     drafters = [state.mtp_drafter for state in states if state.mtp_drafter is not None]
