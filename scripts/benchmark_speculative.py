@@ -24,6 +24,7 @@ now; GPU only; for MoE the active weights: the experts one token picks). Writes 
 """
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -102,7 +103,8 @@ def phase_ms(model, ids, n: int, k: int, device, rate: float) -> dict:
     (``fused_speculative._draft``), the verify pass (``verify_logits``, its graph replay and LM head) and a device
     round's tail (``MTPDecodeState.tail``: acceptance, rollback, the head's pairs and drafts) each timed between
     device syncs; the rest (the host's acceptance and stop checks, rollback, the loop) is the round's time less
-    those. Per round, in ms; the syncs add a little to each part."""
+    those. Per round, in ms; the syncs add a little to each part, and they serialize the pipelined rounds (the next
+    round's verify pass queued before a round is read), so the parts add up to more than a round takes."""
     spec = import_module("fused_speculative")
     mtp_decode = import_module("fused_mtp_decode")
     spent = {"draft": 0.0, "verify": 0.0, "tail": 0.0}
@@ -160,6 +162,7 @@ def run_shape(shape: str, args, device, dtype, ceilings: dict) -> dict:
             benchmark_latency.log(f"{shape} k={k} a={rate}: {statistics.median(values):.3f} ms/token "
                                   f"(plain {row['plain']['ms_per_token']:.3f})")
     del model
+    gc.collect()  # its reference cycles too, before the next shape is built (27B after 35B-A3B ran out of memory)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
