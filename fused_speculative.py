@@ -64,8 +64,12 @@ DEFAULT_SPECULATIVE_TOKENS = 0
 # rounds emit fewer tokens than that on average after PROBE_ROUNDS rounds hands over to plain fused decode for the
 # rest of it (said once). 4B on the H200, pipelined greedy rounds on the device (BENCHMARKS, "Speculative decoding"):
 # 1.71, 1.83, 2.10 plain steps at k = 1, 2, 3; 9B and 27B cost less (1.2-1.8), 0.8B more (2.7-3.5: it never gains).
-# Past k = 3: 0.3 a draft more.
+# Past k = 3: what the last draft added, for each further draft.
 ROUND_COST_STEPS = {1: 1.7, 2: 1.8, 3: 2.1}
+# The same for a head that drafts with stock's layer, eagerly (a MoE head, or one the static drafter cannot run):
+# 35B-A3B on the H200, 4.19, 4.48, 6.88 plain steps at k = 1, 2, 3, more than a round of k drafts can emit (k + 1), so
+# such a call decodes on without drafts after its probe rounds (it was slower than plain decode at every acceptance).
+EAGER_ROUND_COST_STEPS = {1: 4.2, 2: 4.5, 3: 6.9}
 PROBE_ROUNDS = 4
 # `generate(..., mtp_speculative_tokens=k)` for the call in progress (None: not given): the model's generate takes the
 # argument (stock's model-kwargs check would refuse it) and its `_sample` hook reads it.
@@ -343,13 +347,24 @@ def accept(p_scores: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
     return n, torch.multinomial(dist, num_samples=1).squeeze(1)
 
 
+def round_cost(k: int, eager: bool) -> float:
+    """What a round of ``k`` drafts costs in plain decode steps: ``ROUND_COST_STEPS``, or
+    ``EAGER_ROUND_COST_STEPS`` for a head that drafts eagerly with stock's layer; past the table, its last step."""
+    table = EAGER_ROUND_COST_STEPS if eager else ROUND_COST_STEPS
+    last = max(table)
+    if k <= last:
+        return table[k]
+    return table[last] + (table[last] - table[last - 1]) * (k - last)
+
+
 class Governor:
     """Whether a call's speculation pays: after ``PROBE_ROUNDS`` rounds, the mean tokens a round emitted against what
-    a round costs in plain steps (``ROUND_COST_STEPS``). Host ints only (the round's n is read anyway)."""
+    a round costs in plain steps (:func:`round_cost`; ``eager``: the head drafts with stock's layer). Host ints only
+    (the round's n is read anyway)."""
 
-    def __init__(self, k: int, active: bool):
+    def __init__(self, k: int, active: bool, eager: bool = False):
         self.k, self.active = k, active
-        self.cost = ROUND_COST_STEPS.get(k, ROUND_COST_STEPS[3] + 0.3 * (k - 3))
+        self.cost = round_cost(k, eager)
         self.rounds = self.tokens = 0
 
     def gives_up(self, tokens: int) -> bool:
@@ -411,7 +426,7 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
         drafter.forced.fill_(-1)  # the rule's acceptance unless a benchmark sets it (each round, below)
     drafts = input_ids[:, :0]
     # a benchmark's or a test's hook sets what the rounds do: the call speculates to its end then
-    governor = Governor(k, active=forced is None and override is None)
+    governor = Governor(k, active=forced is None and override is None, eager=drafter is None)
     q, verified, first_slot, buffers = None, None, 0, 0  # buffers: the verify buffer set `verified` lives in
     while True:
         cur = input_ids.shape[1]

@@ -617,6 +617,31 @@ def test_a_call_whose_drafts_miss_hands_over_to_plain_decode(sample):
         assert len(rounds) > spec.PROBE_ROUNDS, rounds
 
 
+
+@cpu_emulated
+def test_an_eagerly_drafting_head_is_charged_its_own_cost(monkeypatch):
+    """A head that drafts with stock's layer (the MoE head) costs more than a round can emit (35B-A3B's figures): its
+    call hands over after ``PROBE_ROUNDS`` rounds even when every draft is right, where a static drafter's round of
+    k + 1 tokens pays. ``speculative_sample`` charges each head its own: the MoE pair eagerly, the dense one not."""
+    for k in (1, 2, 3, 5):
+        for eager, gives_up in ((False, False), (True, True)):
+            governor = spec.Governor(k, active=True, eager=eager)
+            assert [governor.gives_up(k + 1) for _ in range(spec.PROBE_ROUNDS)][-1] == gives_up, (k, eager)
+    assert spec.round_cost(5, eager=False) == pytest.approx(spec.ROUND_COST_STEPS[3] + 2 * 0.3)
+    built = []
+    governor_cls = spec.Governor
+
+    def spy(k, active, eager=False):
+        built.append(eager)
+        return governor_cls(k, active, eager)
+
+    monkeypatch.setattr(spec, "Governor", spy)
+    for moe in (False, True):
+        _, model = _pair(moe=moe, seed=6)
+        with torch.no_grad():
+            model.generate(_prompt(seed=6), max_new_tokens=6, mtp_speculative_tokens=2, **GREEDY)
+        assert built[-1] == moe, (moe, built)
+
 # -- the shipped checkpoint -------------------------------------------------------------------------------------------
 
 
