@@ -4,6 +4,8 @@
     python scripts/benchmark_speculative.py --shapes 0.8B,4B,9B,27B,35B-A3B --dtype bfloat16 --out out/spec
     # CPU smoke run (what CI runs): tiny config, the fused path as the tests' CPU emulation
     python scripts/benchmark_speculative.py --device cpu --tiny --new-tokens 6 --repeats 1
+    # a checkpoint with a trained head (the shipped one: --checkpoint .): its own drafts on held-out text, no set rate
+    python scripts/benchmark_speculative.py --checkpoint . --dtype float32 --prompts 8
 
 Random weights draft nothing the model would say, so the acceptance is set instead: each round, after the head has
 drafted and the model has verified, ``fused_speculative.force_acceptance`` makes the round accept the first n of its k
@@ -168,6 +170,85 @@ def run_shape(shape: str, args, device, dtype, ceilings: dict) -> dict:
     return row
 
 
+def load_checkpoint(path: str, device, dtype):
+    """The fused causal LM of the checkpoint at ``path`` with its MTP head, through the repo's own classes (the ones
+    ``trust_remote_code`` runs), in ``dtype`` on ``device``, and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    configuration, modeling = import_module("configuration_qwen3_5_fused"), import_module("modeling_qwen3_5_fused")
+    config = configuration.Qwen3_5FusedConfig.from_pretrained(path)
+    model = modeling.Qwen3_5FusedForCausalLMLoader.from_pretrained(path, config=config, dtype=dtype)
+    if getattr(model, "mtp", None) is None:
+        raise SystemExit(f"--checkpoint {path}: the checkpoint has no MTP head (mtp.* weights); nothing to draft with")
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def heldout_prompts(path: str, tokenizer, count: int, length: int) -> list[torch.Tensor]:
+    """``count`` prompts of ``length`` tokens spread over ``<path>/data/heldout.txt`` (text the model was not trained
+    on)."""
+    source = Path(path) / "data" / "heldout.txt"
+    if not source.is_file():
+        raise SystemExit(f"--checkpoint {path}: no held-out text at {source}; prompts are drawn from it")
+    ids = tokenizer(source.read_text(encoding="utf-8")[:200_000], return_tensors="pt").input_ids
+    step = (ids.shape[1] - length) // max(count, 1)
+    return [ids[:, i * step : i * step + length] for i in range(count)]
+
+
+def run_checkpoint(path: str, args, device, dtype) -> dict:
+    """A trained head's own drafts (no set rate) on held-out prompts: per k, ms per emitted token (median over the
+    prompts of ``per_token_ms``), tokens per second, the realized acceptance (accepted / drafted over a call per
+    prompt), and whether the call speculated to its end; "as a user gets it" lets the call hand over to plain
+    decode when its rounds do not pay (``fused_speculative.Governor``), "speculating throughout" does not."""
+    spec = import_module("fused_speculative")
+    model, tokenizer = load_checkpoint(path, device, dtype)
+    prompts = [p.to(device) for p in heldout_prompts(path, tokenizer, args.prompts, args.prompt_len)]
+    rows = {}
+    for k in [0] + args.k:
+        for governed in ((True,) if k == 0 else (True, False)):
+            saved = spec.PROBE_ROUNDS
+            if not governed:
+                spec.PROBE_ROUNDS = 10**9
+            try:
+                values, drafted, accepted, rounds_seen, handed_over = [], 0, 0, 0, 0
+                for ids in prompts:
+                    values.append(statistics.median(per_token_ms(model, ids, args.new_tokens, k, device,
+                                                                 args.repeats)))
+                    if k:
+                        with spec.record_rounds() as rounds:
+                            timed_generate(model, ids, args.new_tokens, k, device)
+                        drafted += sum(d for d, _ in rounds)
+                        accepted += sum(n for _, n in rounds)
+                        rounds_seen += len(rounds)
+                        # the tokens after the prompt's: all from rounds unless the call handed over to plain decode
+                        handed_over += sum(n + 1 for _, n in rounds) < args.new_tokens - 1
+            finally:
+                spec.PROBE_ROUNDS = saved
+            ms = statistics.median(values)
+            name = "plain" if k == 0 else f"k{k}-{'user' if governed else 'throughout'}"
+            rows[name] = {"k": k, "governed": governed, "ms_per_token": ms, "tokens_per_s": 1e3 / ms,
+                          "per_prompt_ms": values, "acceptance": accepted / drafted if drafted else None,
+                          "rounds": rounds_seen, "drafted": drafted, "handed_over": handed_over,
+                          "tokens_per_round": (accepted + rounds_seen) / rounds_seen if rounds_seen else None}
+            benchmark_latency.log(f"checkpoint {name}: {ms:.3f} ms/token")
+    return rows
+
+
+def checkpoint_markdown(results: dict) -> str:
+    rows = results["checkpoint"]
+    plain = rows["plain"]["ms_per_token"]
+    count = len(rows["plain"]["per_prompt_ms"])
+    lines = ["| k | run | a realized (drafted) | tokens / round | calls handed over | ms / token | tokens / s | "
+             "vs plain |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows.values():
+        run = "plain" if row["k"] == 0 else ("as a user gets it" if row["governed"] else "speculating throughout")
+        acc = f"{row['acceptance']:.3f} ({row['drafted']})" if row["acceptance"] is not None else "-"
+        per_round = f"{row['tokens_per_round']:.2f}" if row["tokens_per_round"] else "-"
+        handed = f"{row['handed_over']} of {count}" if row["k"] else "-"
+        lines.append(f"| {row['k']} | {run} | {acc} | {per_round} | {handed} | {row['ms_per_token']:.3f} | "
+                     f"{row['tokens_per_s']:.0f} | {plain / row['ms_per_token']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def to_markdown(results: dict) -> str:
     lines = ["| model | k | a set | a realized | tokens / round | ms / token | plain ms / token | speed-up | "
              "floor ms | / floor | round: draft / verify / tail / rest ms |",
@@ -201,6 +282,10 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own)")
     p.add_argument("--out", default="out/speculative")
+    p.add_argument("--checkpoint", default=None,
+                   help="a checkpoint folder with a trained MTP head: its own drafts on held-out prompts instead of "
+                        "--shapes and --acceptance")
+    p.add_argument("--prompts", type=int, default=8, help="with --checkpoint: held-out prompts")
     args = p.parse_args(argv)
     args.k = [int(v) for v in args.k.split(",") if v]
     args.acceptance = [float(v) for v in args.acceptance.split(",") if v]
@@ -209,6 +294,14 @@ def main(argv=None):
         # the fused path on CPU is the tests' emulation (every kernel's torch reference): a smoke run, no measurement
         import_module("fused_plan").EMULATE_ON_CPU = True
     shapes = ["tiny"] if args.tiny else [s for s in args.shapes.split(",") if s]
+    if args.checkpoint is not None:
+        results = {"meta": {"command": "python scripts/benchmark_speculative.py " + " ".join(
+                                sys.argv[1:] if argv is None else argv),
+                            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                            "dtype": args.dtype, "time": time.strftime("%Y-%m-%d %H:%M:%S")},
+                   "checkpoint": run_checkpoint(args.checkpoint, args, device, dtype)}
+        write_report(Path(args.out), "speculative_checkpoint", results, checkpoint_markdown(results))
+        return results
     ceilings = benchmark_latency.measure_ceilings(device)
     results = {"meta": {"command": "python scripts/benchmark_speculative.py " + " ".join(sys.argv[1:] if argv is None
                                                                                           else argv),

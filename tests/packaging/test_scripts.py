@@ -57,6 +57,39 @@ def test_benchmark_speculative_runs_on_cpu(tmp_path, fused_on_cpu):
         assert r["per_round"]["rounds"] > 0 and r["per_round"]["draft_ms"] > 0 and r["per_round"]["verify_ms"] > 0
 
 
+
+def test_benchmark_speculative_runs_the_shipped_checkpoint_on_cpu(tmp_path, fused_on_cpu):
+    """``--checkpoint .``: the shipped model's trained head on held-out prompts through the CPU emulation, plain and
+    k = 1 / 2 as a user gets it and speculating throughout: fields only (no timing). The head drafts some right
+    (training_report.json: 60.6% of first drafts at T=0); speculating throughout, every call's tokens come from its
+    rounds; a folder without a head is refused in one line."""
+    results = benchmark_speculative.main(["--device", "cpu", "--checkpoint", str(REPO), "--dtype", "float32",
+                                          "--prompts", "2", "--prompt-len", "16", "--new-tokens", "8",
+                                          "--repeats", "1", "--k", "1,2", "--out", str(tmp_path)])
+    rows = results["checkpoint"]
+    assert set(rows) == {"plain", "k1-user", "k1-throughout", "k2-user", "k2-throughout"}
+    for name in ("k1-throughout", "k2-throughout"):
+        row = rows[name]
+        assert row["drafted"] > 0 and 0 < row["acceptance"] <= 1 and row["handed_over"] == 0, (name, row)
+        assert 1 <= row["tokens_per_round"] <= row["k"] + 1
+    assert all(math.isfinite(row["ms_per_token"]) for row in rows.values())
+    assert "| 2 | speculating throughout |" in (tmp_path / "speculative_checkpoint.md").read_text()
+    with pytest.raises(SystemExit, match="no MTP head"):
+        _no_head(tmp_path)
+
+
+def _no_head(tmp_path):
+    """A copy of the shipped config and weights without the head, handed to ``load_checkpoint``."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "no-head"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(REPO / name, folder / name)
+    weights = {k: v for k, v in load_file(str(REPO / "model.safetensors")).items() if not k.startswith("mtp.")}
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return benchmark_speculative.load_checkpoint(str(folder), torch.device("cpu"), torch.float32)
+
 def test_benchmark_reads_the_issue_targets_from_its_rows():
     """The targets table: each target of a measured shape read from the run's own rows (met / missed and by how
     much); targets whose shape or row the run lacks are left out. The rows are the 2026-12-02 H200 figures of
