@@ -26,7 +26,16 @@ import threading
 import torch
 from transformers.utils import logging
 
-from .fused_batch import Request, base_seed, block_tokens, build_engine, eos_tokens, new_tokens
+from .fused_batch import (
+    SAMPLING_KEYS,
+    Request,
+    base_seed,
+    block_tokens,
+    build_engine,
+    eos_tokens,
+    new_tokens,
+    sampling_settings,
+)
 from .fused_compat import RequestStatus, complete_generation_config
 from .fused_plan import announce
 
@@ -37,6 +46,26 @@ logger = logging.get_logger(__name__)
 DEFAULT_CACHE_TOKENS = 4096
 # How long the idle thread sleeps between checks for new requests or a stop (it is woken at once by either).
 IDLE_WAIT_S = 0.05
+
+
+class _ThreadStatus:
+    """What ``transformers serve`` reads of transformers' manager's ``background_thread_status``: ``fatal_error``,
+    the error that ended the thread (None while it serves)."""
+
+    def __init__(self, manager: "FusedBatchManager"):
+        self._manager = manager
+
+    @property
+    def fatal_error(self) -> Exception | None:
+        return self._manager.fatal_error
+
+
+class _RequestKeys:
+    """What ``transformers serve`` reads of transformers' manager's ``logit_processor``: the per-request sampling
+    arguments ``add_request`` takes, with their types (``supported_keys``), and those it ignores (none)."""
+
+    supported_keys = dict(SAMPLING_KEYS)
+    ignored_keys: set = set()
 
 
 class FusedBatchManager:
@@ -62,6 +91,11 @@ class FusedBatchManager:
         self._counter_lock = threading.Lock()
         self._seed = base_seed(continuous_batching_config)
         self._eos = eos_tokens(model, self.generation_config)
+        # transformers' manager attributes that `transformers serve` reads: the thread's fatal error, the per-request
+        # sampling arguments, and its batch processor (None: serve's status line then shows no requests or cache use)
+        self.background_thread_status = _ThreadStatus(self)
+        self.logit_processor = _RequestKeys()
+        self.batch_processor = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------------------
 
@@ -111,12 +145,16 @@ class FusedBatchManager:
                     streaming: bool = False, record_timestamps: bool = False, eos_token_id=None,
                     **logit_processor_kwargs) -> str:
         """Queue a prompt (a list of token ids); returns its id (``req_<n>`` unless given). With ``streaming`` its
-        output comes after every token it is given, else once, finished. Per-request logits-processor arguments are
-        not supported (the generation config's processors apply to every request; said once)."""
-        if logit_processor_kwargs:
-            announce("batch-manager/processor-kwargs", "Qwen3.5 fused kernels: the batch manager applies the "
-                     "generation config's logits processors to every request; per-request arguments "
-                     f"{sorted(logit_processor_kwargs)} are ignored.")
+        output comes after every token it is given, else once, finished. ``temperature``, ``top_k``, ``top_p``: the
+        request's own sampling (``fused_batch.request_config``: top_k = 1 is greedy), as ``transformers serve`` sends
+        them; other logits-processor arguments are ignored (said once), the generation config's apply."""
+        own = {name: value for name, value in logit_processor_kwargs.items() if name in SAMPLING_KEYS}
+        other = sorted(set(logit_processor_kwargs) - set(own))
+        if other:
+            announce("batch-manager/processor-kwargs", "Qwen3.5 fused kernels: the batch manager takes temperature, "
+                     "top_k and top_p per request; the generation config's other logits processors apply to every "
+                     f"request, and the per-request arguments {other} are ignored.")
+        settings = sampling_settings(own)
         with self._counter_lock:
             index = self._counter
             self._counter += 1
@@ -126,7 +164,7 @@ class FusedBatchManager:
             raise ValueError("add_request needs at least one prompt token.")
         eos = self._eos if eos_token_id is None else eos_tokens(self.model, self.generation_config, eos_token_id)
         req = Request(request_id, prompt, new_tokens(self.generation_config, prompt, max_new_tokens), eos,
-                      self._seed + index, record_timestamps, streaming)
+                      self._seed + index, record_timestamps, streaming, settings=settings)
         self._inputs.put(req)
         self._wake.set()
         return request_id

@@ -20,6 +20,7 @@ buffers reused; bf16 reruns.
 """
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -390,6 +391,94 @@ def test_the_manager_streams_tokens_and_cancels():
         assert results[rid].generated_tokens == _reference(fused, prompt, 6), rid
     assert not manager.is_running()
 
+
+
+def _top(model, prompt, tokens, k):
+    """For each of ``tokens`` (generated after ``prompt``), the ``k`` likeliest tokens at its position (``model``:
+    the stock twin)."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+    return [set(row.topk(k).indices.tolist()) for row in logits]
+
+
+@cpu_emulated
+def test_the_manager_takes_each_requests_sampling():
+    """``add_request(..., temperature=, top_k=, top_p=)``, as ``transformers serve`` sends them: under a greedy config
+    a request with top_k = 1 and one with none decode greedily beside sampling requests (rows of different rules in
+    one step), a sampling request's tokens each lie in its top-k and are not all the greedy ones, and rerun with the
+    same seed it draws the same; under a sampling config top_k = 1 is greedy. A bad value is refused naming it."""
+    stock, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    prompts = _prompts(LENGTHS[:4])
+    new = 10
+
+    def run(config, settings):
+        cb = ContinuousBatchingConfig(max_requests_per_batch=4, seed=7)
+        with fused.continuous_batching_context_manager(generation_config=config,
+                                                       continuous_batching_config=cb) as manager:
+            ids = [manager.add_request(p, max_new_tokens=new, **kw) for p, kw in zip(prompts, settings)]
+            results = {}
+            while len(results) < len(ids):
+                result = manager.get_result(timeout=30)
+                assert result is not None, results
+                results[result.request_id] = result
+        return [results[i].generated_tokens for i in ids]
+
+    hot = dict(temperature=3.0, top_k=20)
+    settings = [{}, dict(top_k=1), hot, dict(hot, top_p=0.9)]
+    first, again = run(_greedy(), settings), run(_greedy(), settings)
+    greedy = [_reference(fused, p, new) for p in prompts]
+    assert first[0] == greedy[0] and first[1] == greedy[1]
+    for i in (2, 3):
+        assert first[i] == again[i], i  # its own seeded generator
+        assert first[i] != greedy[i], i
+        assert all(t in top for t, top in zip(first[i], _top(stock, prompts[i], first[i], 20))), i
+    sampled = run(GenerationConfig(do_sample=True, temperature=3.0, pad_token_id=0, eos_token_id=255),
+                  [dict(top_k=1), {}, dict(top_k=1), {}])
+    assert sampled[0] == greedy[0] and sampled[2] == greedy[2]
+    manager = fused.init_continuous_batching(generation_config=_greedy())
+    for bad, match in ((dict(temperature=0.0), "temperature must be > 0"), (dict(top_k="5"), "top_k must be int"),
+                       (dict(top_p=1.5), r"top_p must be in \(0, 1\]")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            manager.add_request(prompts[0], **bad)
+
+
+@cpu_emulated
+def test_transformers_serve_drives_the_manager():
+    """``transformers serve --continuous-batching``'s runner (transformers' ``CBGenerateRunner``, where the installed
+    transformers has it) over the fused manager, as the server calls it: a greedy request gives batch-1 tokens, a
+    sampling one its own seeded draws within its top-k; the attributes it reads (``background_thread_status``,
+    ``logit_processor.supported_keys``) are there."""
+    import transformers
+
+    try:
+        from transformers.cli.serving.utils import CBGenerateRunner as runner_cls
+    except Exception as err:  # noqa: BLE001 - older releases: another module layout, or serving extras missing
+        pytest.skip(f"transformers {transformers.__version__} has no serve continuous-batching runner here ({err})")
+    stock, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    fused.generation_config = _greedy()
+    prompts = _prompts(LENGTHS[:2])
+    finished, done = {}, threading.Event()
+
+    def send_results(ids, tokens, ended):
+        for request_id, result in ended:
+            finished[request_id] = result
+        if len(finished) == 2:
+            done.set()
+
+    runner = runner_cls(fused, None, send_results, ContinuousBatchingConfig(max_requests_per_batch=2))
+    assert runner.manager.background_thread_status.fatal_error is None
+    base = dict(max_new_tokens=8, eos_token_id=255)
+    runner.generate(1, {"input_ids": prompts[0]}, dict(base, do_sample=False, temperature=None, top_k=None,
+                                                        top_p=None), stream=False)
+    runner.generate(2, {"input_ids": prompts[1]}, dict(base, do_sample=True, temperature=2.0, top_k=5, top_p=None,
+                                                        seed=3), stream=False)
+    assert done.wait(60), finished
+    runner.manager.stop(block=True, timeout=30)
+    assert not isinstance(finished[1], Exception) and not isinstance(finished[2], Exception), finished
+    tokens = {rid: list(getattr(r, "generated_tokens", r)) for rid, r in finished.items()}
+    assert tokens[1] == _reference(fused, prompts[0], 8)
+    assert all(t in top for t, top in zip(tokens[2], _top(stock, prompts[1], tokens[2], 5)))
 
 @cpu_emulated
 def test_the_manager_prefills_long_prompts_in_chunks(monkeypatch):
