@@ -182,9 +182,12 @@ class FusedBatchManager:
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None):
         """The next output (of ``request_id``, when given: another request's is put back), or None after
-        ``timeout`` seconds, or at once when the thread has ended and nothing is left."""
+        ``timeout`` seconds. When the thread has ended and nothing is left, None after ``timeout`` (at once when
+        ``timeout`` is None): a loop that polls a stopped manager (``transformers serve``'s output thread, which ends
+        only on a fatal error) waits between its calls instead of spinning on a core."""
         if self.output_queue.empty() and not self.is_running():
-            return None
+            if timeout is None:
+                return None
         try:
             result = self.output_queue.get(timeout=timeout)
         except queue.Empty:

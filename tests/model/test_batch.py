@@ -21,6 +21,7 @@ buffers reused; bf16 reruns.
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -475,6 +476,11 @@ def test_transformers_serve_drives_the_manager():
                                                         seed=3), stream=False)
     assert done.wait(60), finished
     runner.manager.stop(block=True, timeout=30)
+    # The runner's output thread polls `get_result(timeout=1)` until a fatal error, forever: on the stopped manager
+    # each poll must wait its timeout, not return at once (a spinning thread held the GIL for the rest of the suite).
+    began = time.monotonic()
+    assert runner.manager.get_result(timeout=0.3) is None and time.monotonic() - began >= 0.25
+    assert runner.manager.get_result() is None
     assert not isinstance(finished[1], Exception) and not isinstance(finished[2], Exception), finished
     tokens = {rid: list(getattr(r, "generated_tokens", r)) for rid, r in finished.items()}
     assert tokens[1] == _reference(fused, prompts[0], 8)
