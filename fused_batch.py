@@ -13,7 +13,8 @@ The scheduler (:class:`BatchEngine`) over the rows of a :class:`BatchState` (``f
    bucket's graph), its first token is chosen from the prompt's logits, and its state is copied into the next free
    row so that its keys end at the shared slot (the live span moved right first when the prompt is longer); with
    ``prefill_chunk``, at most that many prompt tokens run between two steps, and a longer prompt runs a chunk per
-   step over a stock cache (:meth:`BatchEngine._chunk`) before it joins the same way;
+   step over a stock cache (:meth:`BatchEngine._chunk`) before it joins the same way, its chunk riding on the decode
+   step while requests decode (``fused_batch_mixed``: one GEMM a projection over the decode rows and the chunk);
 2. one decode step for rows 0..n-1 (rows stay packed: a request that leaves hands its row to the last one), at the
    smallest row bucket >= n, replayed from that bucket's CUDA graph; first, the live span moves left when the slot has
    reached the end of the cache or the dead prefix has grown to half of what the step reads;
@@ -56,6 +57,7 @@ from .fused_compat import (
     logits_processors,
     prepare_special_tokens,
 )
+from .fused_batch_mixed import mixed_step, mixed_step_blocker
 from .fused_batch_state import prefill_len_for
 from .fused_decode import FusedDecodeCache, decode_len_bucket
 from .fused_generate import graph_head, step_logits
@@ -151,6 +153,7 @@ class Chunked:
     request: Request
     cache: DynamicCache
     done: int = 0
+    riding: int | None = None  # set by _chunk: the next decode step runs prompt tokens done..riding with its rows
 
 
 def device_tokens(tokens: list[int], device: torch.device) -> torch.Tensor:
@@ -382,6 +385,8 @@ class BatchEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_chunk = prefill_chunk  # prompt tokens prefilled between two decode steps (None: no limit)
         self.prefilling: Chunked | None = None  # the prompt being prefilled a chunk per step
+        # chunks ride on the decode step (fused_batch_mixed) or, where they cannot, run before it: decided once
+        self.ride = prefill_chunk is not None and _ride_blocker(text_model, buffers.state) is None
         self.layer_types = text_model.config.layer_types[: text_model.config.num_hidden_layers]
         self.head = graph_head(model, text_model, buffers.state)
         self.waiting: deque = deque()
@@ -516,13 +521,17 @@ class BatchEngine:
         return self._chunk(tokens)
 
     def _chunk(self, tokens: int) -> int:
-        """The next ``tokens`` tokens of the prompt being prefilled in chunks: the fused layers' forward continuing its
-        stock cache (each DeltaNet layer starts from the cached conv inputs and recurrent state, each attention layer
-        attends over the cached keys, as stock's chunked prefill). After the last chunk the request joins the rows
-        as a whole prompt does. Returns the tokens run."""
+        """The next ``tokens`` tokens of the prompt being prefilled in chunks, continuing its stock cache (each DeltaNet
+        layer starts from the cached conv inputs and recurrent state, each attention layer attends over the cached
+        keys, as stock's chunked prefill). While requests decode (and ``ride``), the chunk rides on this step's decode
+        step (:meth:`_decode`, ``fused_batch_mixed``); otherwise the fused layers' forward runs it now. After the last
+        chunk the request joins the rows as a whole prompt does. Returns the tokens taken."""
         job = self.prefilling
         req, P = job.request, len(job.request.prompt)
         end = min(P, job.done + tokens)
+        if self.ride and self.live:
+            job.riding = end
+            return end - job.done
         try:
             out = self.text_model(input_ids=req.prompt_ids[None, job.done : end], use_cache=True,
                                   **{GENERATE_CACHE_KW: job.cache})
@@ -530,13 +539,20 @@ class BatchEngine:
             self.prefilling = None
             self._out_of_memory(req, err)
             return end - job.done
-        ran, job.done = end - job.done, end
+        ran = end - job.done
+        self._chunk_ran(job, end, out.last_hidden_state[:, -1:])
+        return ran
+
+    def _chunk_ran(self, job: Chunked, end: int, last: torch.Tensor) -> None:
+        """``job``'s prompt has run up to ``end``, ``last`` [1, 1, hidden] the final-norm hidden state of its last
+        token: after the whole prompt, the request's first token and row (:meth:`_join`)."""
+        req, P = job.request, len(job.request.prompt)
+        job.done, job.riding = end, None
         if end == P:
             self.prefilling = None
-            logits = self.model.lm_head(out.last_hidden_state[:, -1:])[:, -1]
+            logits = self.model.lm_head(last)[:, -1]
             self._join(req, logits, lambda row, slot, first: self.buffers.load_stock_cache(
                 row, slot, job.cache, P, req.prompt_ids, first))
-        return ran
 
     def _join(self, req: Request, logits: torch.Tensor, load) -> None:
         """``req``'s first token from its prompt's ``logits`` [1, vocab]; then, unless that was its only one, a row:
@@ -576,13 +592,21 @@ class BatchEngine:
     # -- the decode step ---------------------------------------------------------------------------------------------
 
     def _decode(self) -> None:
+        """One decode step of the live rows (replayed from its row bucket's graph), or, with a chunk riding, the
+        mixed step (eager) that runs the chunk's tokens through the same weight reads; then each row's token."""
+        job = self.prefilling if self.prefilling is not None and self.prefilling.riding is not None else None
         self._make_room()
         n = len(self.live)
         view = self.buffers.view(n)
         weight = self.text_model.embed_tokens.weight
         torch.index_select(weight, 0, self.buffers.tokens[: view.batch], out=view.embeds.view(view.batch, -1))
-        out = view.decode(self.text_model, self.plan.graphs, self.head)
-        logits = out if self.head is not None else step_logits(self.model, self.plan.ops, out)[:, -1]
+        if job is None:
+            out = view.decode(self.text_model, self.plan.graphs, self.head)
+            logits = out if self.head is not None else step_logits(self.model, self.plan.ops, out)[:, -1]
+        else:
+            ids = job.request.prompt_ids[None, job.done : job.riding]
+            hidden, chunk_last = mixed_step(view, self.text_model, ids, job.cache, job.done)
+            logits = step_logits(self.model, self.plan.ops, hidden)[:, -1]
         tokens, logprobs = self.rule.choose(logits, self.live, self._sequence)
         buffers = self.buffers
         buffers.tokens[:n].copy_(tokens)
@@ -595,6 +619,8 @@ class BatchEngine:
             req.issued += 1
             if req.issued >= req.max_new:
                 self._release(req)  # given all its steps: its row goes to the next request now
+        if job is not None:
+            self._chunk_ran(job, job.riding, chunk_last)
 
     def _sequence(self, i: int) -> torch.Tensor:
         """Row i's sequence so far [1, P + issued] (its prompt and chosen tokens), for processors that read it."""
@@ -722,6 +748,24 @@ class EachEngine:
 # memory budget, no sync inside a step, bf16 reruns) passed on the H200 (transformers 5.25, docs/BENCHMARKS.md). Off,
 # a GPU model serves generate_batch through generate() per request, said once.
 FUSED_ON_GPU = True
+# Whether prompt chunks (``prefill_chunk``) ride on the decode step on a GPU (``fused_batch_mixed``): on since its CUDA
+# tests (tests/model/test_batch.py, ``test_chunks_ride_the_decode_step_cuda``: the mixed step against the step plus
+# the fused forward, and fp32 greedy equality with batch-1 generate) passed (H100, transformers 5.25) and riding
+# measured faster than chunks run apart (4B, H200, 128 rows, chunks of 512: 1,099 against 1,077 output tokens/s,
+# docs/BENCHMARKS.md). Off, a GPU model runs each chunk through the fused forward before the decode step, said once.
+# The CPU emulation always rides.
+MIXED_ON_GPU = True
+
+
+def _ride_blocker(text_model, state) -> str | None:
+    """Why prompt chunks cannot ride on the decode step of ``state`` (announced once), else None."""
+    reason = mixed_step_blocker(text_model, state)
+    if reason is None and state.device.type == "cuda" and not MIXED_ON_GPU:
+        reason = "the mixed step is switched off on a GPU (fused_batch.MIXED_ON_GPU)"
+    if reason is not None:
+        announce(f"batch/ride/{reason}", "Qwen3.5 fused kernels: generate_batch runs each prompt chunk on its own "
+                 f"before the decode step, not riding on it, because {reason}.")
+    return reason
 
 
 def block_tokens(cb_config) -> int:

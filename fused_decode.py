@@ -37,7 +37,7 @@ def step_linear(ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 # Rotary types whose module computes cos / sin from a fixed ``inv_freq`` (no per-call update, unlike the dynamic and
-# longrope types): for these the decode step computes stock's values itself, in fewer launches (``_step_rope``).
+# longrope types): for these the decode step computes stock's values itself, in fewer launches (``step_rope``).
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -204,7 +204,7 @@ class DecodeState:
 
         Returns the final-norm hidden state [B, 1, hidden]."""
         h = self.embeds  # the residual stream
-        cos, sin = self._step_rope(text_model.rotary_emb, h)  # also: the new key marked valid, the positions moved on
+        cos, sin = self.step_rope(text_model.rotary_emb, h)  # also: the new key marked valid, the positions moved on
         if self.multi_device:  # the rotary module may sit on another device than the embeddings
             cos, sin = cos.to(self.device), sin.to(self.device)
         mlp_out = None  # each layer's MLP output is added to the stream inside the next norm (one launch, not two)
@@ -235,7 +235,7 @@ class DecodeState:
             h, mlp_out = h.to(norm.weight.device), mlp_out.to(norm.weight.device)
         return self.ops.rms_norm(mlp_out, norm.weight, norm.eps, residual=h)[0]
 
-    def _step_rope(self, rot, h):
+    def step_rope(self, rot, h):
         """The step's first launch: cos, sin [B, 1, R] in h's dtype for ``positions``, equal to stock's
         ``rot(h, positions)``; the key at ``slot`` marked valid in ``key_valid``; then every position moved on by one
         (every mRoPE section of a generated text token moves). With a plan (``rope_plan``) all in one launch,
@@ -258,6 +258,15 @@ class DecodeState:
         # GEMV's epilogue when the GEMV runs this shape), then z, b, a
         proj = self.ops.small_linear(x.view(B, -1), w, conv=(self.conv[i], m.conv1d.weight.squeeze(1), m.conv1d.bias))
         mixed, z, b, a = torch.split(proj, [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads], dim=-1)
+        # its last writer is this layer's step one token back: the state loads before the PDL wait
+        core = self.deltanet_core(m, mixed, z, b, a, i, prefetch_state=True)
+        return step_linear(self.ops, core, m.out_proj.weight, m.out_proj.bias).view(B, 1, -1)
+
+    def deltanet_core(self, m, mixed, z, b, a, i, prefetch_state: bool = False):
+        """DeltaNet layer ``i``'s rule step for one token a row, after the conv step: ``mixed`` [B, conv_dim] (q|k|v
+        after conv + SiLU), ``z`` [B, value_dim], ``b`` / ``a`` [B, HV] (column slices of the projection are fine)
+        -> the gated-normed output [B, value_dim], the recurrent state updated in place."""
+        B = self.batch
         q, k, v = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
         core = self.ops.gated_delta_rule_step(
             q.view(B, m.num_k_heads, m.head_k_dim),
@@ -268,25 +277,30 @@ class DecodeState:
             m.A_log,
             m.dt_bias,
             self.recurrent[i],
-            # its last writer is this layer's step one token back: it loads before the PDL wait
-            prefetch_state=True,
+            prefetch_state=prefetch_state,
         )  # [B, HV, Dv]; the state is updated in place
-        core = self.ops.gated_rms_norm(core, z, m.norm.weight, m.norm.variance_epsilon)  # [B, value_dim]
-        return step_linear(self.ops, core, m.out_proj.weight, m.out_proj.bias).view(B, 1, -1)
+        return self.ops.gated_rms_norm(core, z, m.norm.weight, m.norm.variance_epsilon)  # [B, value_dim]
 
     def _attention_step(self, m, x, cos, sin, valid, slot, i):
         B = self.batch
-        H, KV, D = m.config.num_attention_heads, m.config.num_key_value_heads, m.head_dim
         w, bias = m.packed_weight()
         qkv = step_linear(self.ops, x.view(B, -1), w, bias).view(B, 1, -1)
+        o = self.attention_core(m, qkv, cos, sin, valid, slot, i)
+        return step_linear(self.ops, o, m.o_proj.weight, m.o_proj.bias).view(B, 1, -1)
+
+    def attention_core(self, m, qkv, cos, sin, valid, slot, i):
+        """Attention layer ``i`` for one token a row after its GEMM: ``qkv`` [B, 1, (2 H + 2 KV) D] contiguous ->
+        the gated output [B, H * D]; the new key / value written at ``slot`` of the layer's cache."""
+        B = self.batch
+        H, KV, D = m.config.num_attention_heads, m.config.num_key_value_heads, m.head_dim
         keys, values = self.keys[i], self.values[i]
         # k and v are written at `slot` of the caches by the prep kernel itself
         q, _, _, gate = self.ops.attn_prep(qkv, cos, sin, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps, H, KV, D,
                                   kv_cache=(keys, values, slot))
         # The H query heads of one token attend over the keys written so far (0..slot) that are not padding
         # (`valid`, [B, L]), then the output gate: two launches.
-        o = self.ops.decode_attention(q.reshape(B, H, D), keys, values, valid, slot, gate.view(B, H * D), m.scaling)
-        return step_linear(self.ops, o, m.o_proj.weight, m.o_proj.bias).view(B, 1, -1)
+        return self.ops.decode_attention(q.reshape(B, H, D), keys, values, valid, slot, gate.view(B, H * D),
+                                         m.scaling)
 
     def _mlp_step(self, mlp, x):
         if hasattr(mlp, "decode_step"):  # the MoE models' sparse block (``fused_moe``)

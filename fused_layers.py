@@ -212,11 +212,19 @@ class FusedAttention(_FusedModule, Qwen3_5Attention):
     def forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
         if not self.plan.runs(self._fused_kind):
             return super().forward(hidden_states, position_embeddings, attention_mask, **kwargs)
-        ops = self.plan.ops
         cache = pop_cache(kwargs)
-        batch, seq_len = hidden_states.shape[:2]
         w, b = self.packed_weight()
-        qkv = F.linear(hidden_states, w, b)
+        attn_output, attn_weights = self.attend(F.linear(hidden_states, w, b), position_embeddings, attention_mask,
+                                                cache, kwargs)
+        return self.o_proj(attn_output), attn_weights
+
+    def attend(self, qkv, position_embeddings, attention_mask, cache, kwargs: dict):
+        """The fused attention after its one GEMM: ``qkv`` [B, T, (2 H + 2 KV) D] (the packed projection's output) ->
+        the gated attention output [B, T, H * D] and the weights (when the interface returns them), ``cache`` updated
+        with the new keys / values. ``generate_batch``'s mixed step runs the GEMM itself, over decode rows and a prompt
+        chunk together (``fused_batch_mixed``)."""
+        ops = self.plan.ops
+        batch, seq_len = qkv.shape[:2]
         cos, sin = position_embeddings
         query, key, value, gate = ops.attn_prep(
             qkv, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
@@ -232,8 +240,7 @@ class FusedAttention(_FusedModule, Qwen3_5Attention):
         attn_output, attn_weights = attention_interface(
             module, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
         )
-        attn_output = ops.sigmoid_gate_mul(attn_output.view(batch, seq_len, -1, self.head_dim), gate)
-        return self.o_proj(attn_output), attn_weights
+        return ops.sigmoid_gate_mul(attn_output.view(batch, seq_len, -1, self.head_dim), gate), attn_weights
 
 
 class _Ungrouped:
@@ -289,10 +296,15 @@ class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
         return stock_call(super().forward, hidden_states, *args, **kwargs)
 
     def _fused_forward(self, hidden_states, cache, attention_mask):
-        ops = self.plan.ops
         hidden_states = stock.apply_mask_to_padding_states(hidden_states, attention_mask)
         w, _ = self.packed_weight()
-        proj = F.linear(hidden_states, w)  # [B, T, conv_dim + value_dim + 2 * HV]
+        return self.out_proj(self.core(F.linear(hidden_states, w), cache))
+
+    def core(self, proj, cache):
+        """The fused DeltaNet after its one GEMM: ``proj`` [B, T, conv_dim + value_dim + 2 HV] (q|k|v before the
+        conv, z, b, a) -> the gated-normed rule output [B, T, value_dim], before ``out_proj``; ``cache`` (None: no
+        cache) continued and updated. ``generate_batch``'s mixed step runs the GEMM itself (``fused_batch_mixed``)."""
+        ops = self.plan.ops
         mixed_qkv, z, b, a = torch.split(
             proj, [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1
         )
@@ -321,8 +333,7 @@ class FusedGatedDeltaNet(_FusedModule, Qwen3_5GatedDeltaNet):
         if cache is not None:
             cache.update_recurrent_state(last_state, self.layer_idx)
         # the gate z is read where the GEMM wrote it (a column slice), not copied
-        core = ops.gated_rms_norm(core, z, self.norm.weight, self.norm.variance_epsilon)  # [B, T, value_dim]
-        return self.out_proj(core)
+        return ops.gated_rms_norm(core, z, self.norm.weight, self.norm.variance_epsilon)  # [B, T, value_dim]
 
 
 class FusedDecoderLayer(_FusedModule, Qwen3_5DecoderLayer):

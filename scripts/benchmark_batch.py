@@ -175,9 +175,11 @@ def continuous(model, requests: list, rows: int, device, prefill_chunk: int | No
             "parts": parts}
 
 
-def settings(args) -> list[tuple[int, int | None]]:
-    """The ``generate_batch`` settings to run: every ``--rows`` with every ``--prefill-chunk``, fewest rows first."""
-    return [(rows, chunk) for rows in sorted(args.rows) for chunk in args.prefill_chunk]
+def settings(args) -> list[tuple[int, int | None, bool]]:
+    """The ``generate_batch`` settings to run: every ``--rows`` with every ``--prefill-chunk`` and every ``--ride``
+    (riding only where prompts are chunked), fewest rows first."""
+    return [(rows, chunk, ride) for rows in sorted(args.rows) for chunk in args.prefill_chunk
+            for ride in (args.ride if chunk is not None else [False])]
 
 
 def _chunks(text: str) -> list[int | None]:
@@ -323,9 +325,10 @@ def run(args) -> dict:
     else:
         stock_s, fused_s = _static_runs(args, results, stock, fused, requests, subset, tokens, sub_tokens, device)
     # each (rows, prefill_chunk) setting in turn, the most rows last: its buffers are the ones the steps are timed on
-    for rows, chunk in settings(args):
-        name = f"(3) fused generate_batch, {rows} rows, chunk {chunk}"
+    for rows, chunk, ride in settings(args):
+        name = f"(3) fused generate_batch, {rows} rows, chunk {chunk}" + (", riding" if ride else "")
         log(name)
+        batch_mod.MIXED_ON_GPU = ride  # read once per generate_batch call (BatchEngine.ride)
         continuous(fused, warm, rows, device, chunk)  # this setting's own first shapes, off the clock
         batch_run = continuous(fused, requests, rows, device, chunk)
         results["runs"][name] = cont_s = stats(batch_run, batch_run["tokens"])
@@ -385,6 +388,9 @@ def main(argv=None):
                    help="comma list of generate_batch's rows (max_requests_per_batch), each run in turn")
     p.add_argument("--prefill-chunk", type=_chunks, default=[None],
                    help="comma list of generate_batch's prefill_chunk, 'none' for whole prompts (default: none)")
+    p.add_argument("--ride", type=lambda s: [{"on": True, "off": False}[c.strip()] for c in s.split(",")],
+                   default=None, help="comma list of on/off: on a GPU, prompt chunks ride on the decode step "
+                   "(fused_batch.MIXED_ON_GPU) or run before it (default: as shipped, on; on CPU always on)")
     p.add_argument("--prompt-range", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
                    help="min,max prompt tokens (default 32,2048; tiny 4,40)")
     p.add_argument("--new-range", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
@@ -398,6 +404,10 @@ def main(argv=None):
     if args.device == "cpu" and args.dtype == "bfloat16":
         args.dtype = "float32"
     args.stock_requests = min(args.stock_requests, args.requests)
+    if args.ride is None:
+        args.ride = [import_module("fused_batch").MIXED_ON_GPU]
+    if not args.device.startswith("cuda"):
+        args.ride = [True]  # off a GPU the chunks always ride (the CPU emulation's mixed step)
     with stock_cpu_guard(torch.device(args.device)):  # on CPU, stock (and the fused fallback) run torch code
         results = run(args)
     save(args, results)

@@ -115,23 +115,33 @@ CHUNK_LENGTHS = (5, 1, 17, 130, 9, 70, 3, 200)  # 130, 200: longer than every ch
 CHUNK_NEW = (6, 3, 12, 9, 1, 8, 20, 5)
 
 
-@pytest.mark.parametrize("chunk", [64, 128, 7, 33, 100])
+@pytest.mark.parametrize("chunk,ride", [(64, True), (128, True), (7, True), (33, True), (100, True), (64, False),
+                                        (33, False)])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.filterwarnings("error::FutureWarning")
 @cpu_emulated
-def test_chunked_prefill_gives_the_same_tokens(kind, chunk, monkeypatch):
+def test_chunked_prefill_gives_the_same_tokens(kind, chunk, ride, monkeypatch):
     """Prompts longer than ``prefill_chunk`` are prefilled a chunk per step while the running requests decode (a
     decode step between two chunks of one prompt); every request's tokens are those of the unchunked call and of
-    batch-1 generate. Chunk sizes at multiples of fla's 64-token chunk and odd ones. No deprecation warning: the chunks
-    pass the cache under the keyword this transformers names (5.25 warns on ``past_key_values``)."""
+    batch-1 generate. Chunk sizes at multiples of fla's 64-token chunk and odd ones. ``ride``: the chunks run inside
+    the decode step while requests decode (the mixed step), and only then; else (the mixed step blocked) through the
+    fused forward before it. No deprecation warning: the chunks pass the cache under the keyword this transformers
+    names (5.25 warns on ``past_key_values``)."""
     _, fused = stock_and_fused_lm(seed=0, **SPREAD) if kind == "dense" else stock_and_fused_moe_lm(seed=0, **SPREAD)
     prompts = _prompts(CHUNK_LENGTHS, seed=8)
     events = []
-    chunk_step, decode = batch_mod.BatchEngine._chunk, batch_mod.BatchEngine._decode
+    chunk_step, decode, mixed = batch_mod.BatchEngine._chunk, batch_mod.BatchEngine._decode, batch_mod.mixed_step
+    if not ride:
+        monkeypatch.setattr(batch_mod, "mixed_step_blocker", lambda *a: "the test blocks it")
 
     def chunk_logged(self, tokens):
         events.append(("chunk", self.prefilling.request.request_id))
         return chunk_step(self, tokens)
+
+    def mixed_logged(state, text_model, ids, cache, past):
+        assert state.batch >= 1 and 0 < ids.shape[1] <= chunk
+        events.append(("mixed", past + ids.shape[1]))
+        return mixed(state, text_model, ids, cache, past)
 
     def decode_logged(self):
         events.append(("decode", None))
@@ -143,6 +153,7 @@ def test_chunked_prefill_gives_the_same_tokens(kind, chunk, monkeypatch):
     assert not events
     monkeypatch.setattr(batch_mod.BatchEngine, "_chunk", chunk_logged)
     monkeypatch.setattr(batch_mod.BatchEngine, "_decode", decode_logged)
+    monkeypatch.setattr(batch_mod, "mixed_step", mixed_logged)
     out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(CHUNK_NEW),
                                continuous_batching_config=cb, prefill_chunk=chunk)
     for (rid, got), prompt, new in zip(out.items(), prompts, CHUNK_NEW):
@@ -153,6 +164,101 @@ def test_chunked_prefill_gives_the_same_tokens(kind, chunk, monkeypatch):
     for rid in chunked:  # the running requests decode between two chunks of one prompt
         at = [i for i, event in enumerate(events) if event == ("chunk", rid)]
         assert len(at) > 1 and ("decode", None) in events[at[0] : at[-1]], rid
+    rode = [i for i, (kind_, _) in enumerate(events) if kind_ == "mixed"]
+    assert bool(rode) == ride
+    for i in rode:  # a mixed step runs inside a decode step, for the chunk just scheduled
+        assert events[i - 1] == ("decode", None) and events[i - 2][0] == "chunk"
+
+
+def _copy_state(state):
+    """A deep copy of a ``DecodeState``'s buffers (the same class, its own tensors)."""
+    copy_ = batch_state.DecodeState.__new__(batch_state.DecodeState)
+    copy_.__dict__.update(state.__dict__)
+    for name in ("conv", "recurrent", "keys", "values"):
+        setattr(copy_, name, {i: t.clone() for i, t in getattr(state, name).items()})
+    for name in ("embeds", "positions", "slot", "key_valid"):
+        setattr(copy_, name, getattr(state, name).clone())
+    copy_._no_graphs()
+    return copy_
+
+
+def _state_tensors(state):
+    return {**{f"{n}{i}": t for n in ("conv", "recurrent", "keys", "values") for i, t in getattr(state, n).items()},
+            **{n: getattr(state, n) for n in ("positions", "slot", "key_valid")}}
+
+
+def _check_mixed_step(fused, B, C, past, slot, device, seed, atol):
+    """``mixed_step`` against its reference: the decode step of B rows on a copy of the state, then the chunk of C
+    prompt tokens through the fused forward over a copy of its cache (``past`` tokens in it). Hidden states, every
+    state buffer and the chunk's cache must agree."""
+    from transformers.cache_utils import DynamicCache
+
+    mixed = helpers.import_module("fused_batch_mixed")
+    text_model = fused._text_model()
+    config = text_model.config
+    g = torch.Generator().manual_seed(seed)
+    state = batch_state.DecodeState(text_model, text_model.plan, B, slot + 8)
+    for t in _state_tensors(state).values():
+        if t.is_floating_point():
+            t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+    state.key_valid.copy_(torch.rand(state.key_valid.shape, generator=g) < 0.8)
+    state.slot.fill_(slot)
+    state.positions.copy_(torch.randint(slot, 3 * slot + 4, (1, B, 1), generator=g).expand(3, B, 1))
+    state.embeds.copy_(torch.randn(state.embeds.shape, generator=g))
+    prompt = torch.randint(3, config.vocab_size, (1, past + C), generator=g).to(device)
+    caches = [DynamicCache(config=config) for _ in range(2)]
+    with torch.no_grad():
+        if past:
+            for cache in caches:
+                text_model(input_ids=prompt[:, :past], use_cache=True, **{batch_mod.GENERATE_CACHE_KW: cache})
+        ref = _copy_state(state)
+        want_rows = ref.step(text_model)
+        want_last = text_model(input_ids=prompt[:, past:], use_cache=True,
+                               **{batch_mod.GENERATE_CACHE_KW: caches[0]}).last_hidden_state[:, -1:]
+        rows, last = mixed.mixed_step(state, text_model, prompt[:, past:], caches[1], past)
+    torch.testing.assert_close(rows, want_rows, atol=atol, rtol=atol)
+    torch.testing.assert_close(last, want_last, atol=atol, rtol=atol)
+    for name, want in _state_tensors(ref).items():
+        torch.testing.assert_close(_state_tensors(state)[name], want, atol=atol, rtol=atol, msg=name)
+    compat = helpers.import_module("fused_compat")
+    for i, kind in enumerate(config.layer_types[: config.num_hidden_layers]):
+        read = compat.read_linear_layer if kind == "linear_attention" else compat.read_attention_layer
+        for got, want in zip(read(caches[1], i), read(caches[0], i)):
+            torch.testing.assert_close(got, want, atol=atol, rtol=atol, msg=f"cache layer {i}")
+
+
+# (B decode rows, C chunk tokens, past prompt tokens cached, shared slot): one row; chunks of 1, inside, at and past
+# fla's 64-token chunk; a first chunk (no past) and continued ones, past a multiple of 64 and not
+MIXED_SHAPES = [(1, 1, 0, 3), (3, 7, 5, 9), (2, 64, 0, 20), (4, 65, 64, 6), (3, 30, 100, 40)]
+
+
+@pytest.mark.parametrize("B,C,past,slot", MIXED_SHAPES)
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@cpu_emulated
+def test_the_mixed_step_is_the_step_and_the_chunk(kind, B, C, past, slot):
+    _, fused = stock_and_fused_lm(seed=1, **SPREAD) if kind == "dense" else stock_and_fused_moe_lm(seed=1, **SPREAD)
+    _check_mixed_step(fused, B, C, past, slot, torch.device("cpu"), seed=B * 1000 + C, atol=2e-5)
+
+
+def test_a_split_model_runs_chunks_before_the_step():
+    """A model whose decode state spans devices (or whose attention runs stock's forward) does not ride chunks."""
+    mixed = helpers.import_module("fused_batch_mixed")
+
+    class Plan:
+        kind_reasons = {"full_attention": "stock's forward asked for"}
+
+        def runs(self, kind):
+            return kind != "full_attention"
+
+    class Model:
+        plan = Plan()
+
+    class State:
+        multi_device = False
+
+    assert "full_attention" in mixed.mixed_step_blocker(Model(), State())
+    State.multi_device = True
+    assert "device_map" in mixed.mixed_step_blocker(Model(), State())
 
 
 @cpu_emulated
@@ -575,15 +681,48 @@ def _cuda_reference(model, prompt, new, **kw):
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.cuda
 @pytest.mark.usefixtures("fused_on_gpu")
-def test_chunked_prefill_matches_batch_1_generate_cuda(kind, chunk):
+def test_chunked_prefill_matches_batch_1_generate_cuda(kind, chunk, monkeypatch):
     """fp32: prompts longer than ``prefill_chunk`` prefilled in chunks between decode steps (the eager fused forward
-    over a stock cache) give every request the tokens of a batch-1 fused ``generate``, as the unchunked call does."""
+    over a stock cache, ``MIXED_ON_GPU`` off: the path a model that cannot ride takes) give every request the tokens of
+    a batch-1 fused ``generate``, as the unchunked call does."""
+    monkeypatch.setattr(batch_mod, "MIXED_ON_GPU", False)
     _, fused = stock_and_fused_lm(seed=0, **SPREAD) if kind == "dense" else stock_and_fused_moe_lm(seed=0, **SPREAD)
     fused = fused.cuda()
     prompts = _prompts(CHUNK_LENGTHS, seed=8)
     cb = ContinuousBatchingConfig(max_requests_per_batch=4)
     out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(CHUNK_NEW),
                                continuous_batching_config=cb, prefill_chunk=chunk)
+    for (rid, got), prompt, new in zip(out.items(), prompts, CHUNK_NEW):
+        assert got.status == RequestStatus.FINISHED, got.error
+        assert got.generated_tokens == _cuda_reference(fused, prompt, new), rid
+
+
+@pytest.mark.parametrize("chunk", [64, 33])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.cuda
+@pytest.mark.usefixtures("fused_on_gpu")
+def test_chunks_ride_the_decode_step_cuda(kind, chunk, monkeypatch):
+    """fp32 on the GPU with ``fused_batch.MIXED_ON_GPU`` on: the mixed step against the decode step plus the fused
+    forward at every ``MIXED_SHAPES`` shape, then chunked prefill riding on the decode step (it must ride) gives every
+    request the tokens of a batch-1 fused ``generate``. The test that switched ``MIXED_ON_GPU`` on."""
+    monkeypatch.setattr(batch_mod, "MIXED_ON_GPU", True)
+    _, fused = stock_and_fused_lm(seed=1, **SPREAD) if kind == "dense" else stock_and_fused_moe_lm(seed=1, **SPREAD)
+    fused = fused.cuda()
+    for B, C, past, slot in MIXED_SHAPES:
+        _check_mixed_step(fused, B, C, past, slot, torch.device("cuda"), seed=B * 1000 + C, atol=1e-4)
+    rode = []
+    mixed = batch_mod.mixed_step
+
+    def mixed_logged(*args):
+        rode.append(args[2].shape[1])
+        return mixed(*args)
+
+    monkeypatch.setattr(batch_mod, "mixed_step", mixed_logged)
+    prompts = _prompts(CHUNK_LENGTHS, seed=8)
+    cb = ContinuousBatchingConfig(max_requests_per_batch=4)
+    out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(CHUNK_NEW),
+                               continuous_batching_config=cb, prefill_chunk=chunk)
+    assert rode and max(rode) <= chunk
     for (rid, got), prompt, new in zip(out.items(), prompts, CHUNK_NEW):
         assert got.status == RequestStatus.FINISHED, got.error
         assert got.generated_tokens == _cuda_reference(fused, prompt, new), rid

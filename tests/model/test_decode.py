@@ -536,7 +536,7 @@ def _rotary(rope: dict, sections, head_dim: int, factor: float):
 
 
 class _Positions:
-    """The attributes of a `DecodeState` that `_step_rope` reads and writes: the rope plan, the kernel set, the
+    """The attributes of a `DecodeState` that `step_rope` reads and writes: the rope plan, the kernel set, the
     positions, and the key mask [B, 8] whose column `slot` (5) the step marks valid."""
 
     def __init__(self, rope, positions, mrope_step):
@@ -574,7 +574,7 @@ def test_step_rope_equals_stock_rotary(rope, sections, head_dim, factor, dtype, 
     h = torch.zeros(batch, 1, 64, dtype=dtype, device=device)
     want_cos, want_sin = rot(h, before)
     state = _Positions(plan, positions, kernel)
-    cos, sin = decode.DecodeState._step_rope(state, rot, h)
+    cos, sin = decode.DecodeState.step_rope(state, rot, h)
     assert cos.shape == want_cos.shape and cos.dtype == dtype and cos.is_contiguous()
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert torch.equal(positions, before + 1)
@@ -600,7 +600,7 @@ def test_step_rope_calls_a_dynamic_rotary_as_it_is():
     h = torch.zeros(2, 1, 64)
     want_cos, want_sin = rot(h, before)
     state = _Positions(None, positions, fused_ops.mrope_step_ref)
-    cos, sin = decode.DecodeState._step_rope(state, rot, h)
+    cos, sin = decode.DecodeState.step_rope(state, rot, h)
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert torch.equal(positions, before + 1)
     state.check_marked()

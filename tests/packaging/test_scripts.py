@@ -262,11 +262,27 @@ def test_benchmark_batch_on_the_fused_scheduler_cpu(tmp_path, fused_on_cpu):
     requests = benchmark_batch.workload(6, (4, 40), (2, 12), 256, seed=0)
     assert requests == benchmark_batch.workload(6, (4, 40), (2, 12), 256, seed=0)  # seeded
     assert all(4 <= len(p) <= 40 and 2 <= n <= 12 for p, n in requests)
-    names = [f"(3) fused generate_batch, {rows} rows, chunk {chunk}" for rows in (2, 3) for chunk in (16, None)]
+    names = [f"(3) fused generate_batch, {rows} rows, chunk {chunk}" for rows in (2, 3)
+             for chunk in ("16, riding", None)]  # off a GPU, chunks always ride on the decode step
     assert [n for n in results["runs"] if n.startswith("(3)") and "subset" not in n] == names  # fewest rows first
     for name in names:
         run = results["runs"][name]
         assert run["tokens"] == sum(n for _, n in requests) and run["per_token_ms_p50"] > 0
+
+
+def test_profile_chunked_prefill_runs_on_cpu(tmp_path):
+    """The chunk profiler's plumbing at the tiny shape: a prompt in chunks of 16 (the last one shorter) and whole, a
+    warm-up pass and the medians per chunk position, a host-time profile; the report names each chunk."""
+    from scripts import profile_chunked_prefill
+
+    results = profile_chunked_prefill.main(["--device", "cpu", "--tiny", "--prompt", "40", "--chunks", "16,40",
+                                            "--repeats", "2", "--profile", "--rows", "5", "--out", str(tmp_path)])
+    assert [r["tokens"] for r in results["chunks"]["16"]["median"]] == [16, 16, 8]
+    assert [r["tokens"] for r in results["chunks"]["40"]["first"]] == [40]
+    assert all(r["wall_ms"] > 0 for c in results["chunks"].values() for r in c["median"])
+    assert "aten::" in results["by_host_time"] and "by_device_time" not in results
+    md = (tmp_path / "chunks.md").read_text()
+    assert "| 16 | 2 | 8 |" in md and "operators by host time" in md
 
 
 def test_benchmark_moe_model_runs_on_cpu(tmp_path):
