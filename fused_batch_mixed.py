@@ -20,8 +20,10 @@ Reference: the same tokens as the chunk prefilled by the fused forward over its 
 (``BatchEngine._chunk``'s separate forward) followed by the decode step; the CPU tests compare the tokens with whole
 prompts and with batch-1 ``generate``.
 
-Not captured in a CUDA graph: the chunk's length and its cache grow from call to call. It runs eagerly, which costs
-the host its launches (~15 a layer), hidden behind the GPU while the chunk's compute is longer than them.
+Not captured in a CUDA graph: the chunk's length and its cache grow from call to call. It runs eagerly, and that is
+its cost: at 4B on the H200 a 512-token chunk takes ~100 ms of GPU time, riding or apart, where the captured prefill
+of a whole prompt runs at 37 us a token (docs/BENCHMARKS.md, "Prompt chunks"; not yet profiled:
+``scripts/profile_chunked_prefill.py``).
 """
 
 import torch
