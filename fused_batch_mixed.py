@@ -22,8 +22,8 @@ prompts and with batch-1 ``generate``.
 
 Not captured in a CUDA graph: the chunk's length and its cache grow from call to call. It runs eagerly, and that is
 its cost: at 4B on the H200 a 512-token chunk takes ~100 ms of GPU time, riding or apart, where the captured prefill
-of a whole prompt runs at 37 us a token (docs/BENCHMARKS.md, "Prompt chunks"; not yet profiled:
-``scripts/profile_chunked_prefill.py``).
+of a whole prompt runs at 37 us a token; the GPU waits on the host's launches (~60 ms a chunk, ~10 ms of kernels;
+docs/BENCHMARKS.md, "Prompt chunks", ``scripts/profile_chunked_prefill.py``).
 """
 
 import torch
