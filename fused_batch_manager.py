@@ -26,16 +26,8 @@ import threading
 import torch
 from transformers.utils import logging
 
-from .fused_batch import (
-    SAMPLING_KEYS,
-    Request,
-    base_seed,
-    block_tokens,
-    build_engine,
-    eos_tokens,
-    new_tokens,
-    sampling_settings,
-)
+from .fused_batch import Request, base_seed, block_tokens, build_engine, eos_tokens, new_tokens
+from .fused_batch_rule import SAMPLING_KEYS, sampling_settings
 from .fused_compat import RequestStatus, complete_generation_config
 from .fused_plan import announce
 
