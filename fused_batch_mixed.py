@@ -29,7 +29,7 @@ docs/BENCHMARKS.md, "Prompt chunks", ``scripts/profile_chunked_prefill.py``).
 import torch
 
 from .fused_compat import MASK_CACHE_KW, stock
-from .fused_decode import DecodeState
+from .fused_decode import DecodeState, run_layers
 
 
 def mixed_step_blocker(text_model, state: DecodeState) -> str | None:
@@ -59,23 +59,14 @@ def mixed_step(state: DecodeState, text_model, chunk_ids: torch.Tensor, cache, p
     # built before any layer adds the chunk to the cache: the mask spans the cached keys and the chunk's
     mask = stock.create_causal_mask(config=text_model.config, inputs_embeds=chunk, attention_mask=None,
                                     position_ids=text_positions, **{MASK_CACHE_KW: cache})
-    mlp_out = None
-    for i, layer in enumerate(text_model.layers[: text_model.config.num_hidden_layers]):
-        ln = layer.input_layernorm
-        if mlp_out is None:
-            x = ops.rms_norm(h, ln.weight, ln.eps)
-        else:
-            x, h = ops.rms_norm(mlp_out, ln.weight, ln.eps, residual=h)
+
+    def mix(layer, x, i):
         if layer.block_type == "linear_attention":
-            y = _deltanet(state, layer.linear_attn, x, i, B, cache)
-        else:
-            y = _attention(state, layer.self_attn, x, i, B, (cos, sin), chunk_rope, mask, text_positions, cache)
-        ln = layer.post_attention_layernorm
-        x, h = ops.rms_norm(y, ln.weight, ln.eps, residual=h)
-        mlp_out = layer.mlp(x[None])[0]  # the fused MLP (or sparse block) over all N rows
+            return _deltanet(state, layer.linear_attn, x, i, B, cache)
+        return _attention(state, layer.self_attn, x, i, B, (cos, sin), chunk_rope, mask, text_positions, cache)
+
+    out = run_layers(text_model, ops, h, mix, lambda layer, x: layer.mlp(x[None])[0])  # MLP over all N rows
     state.slot.add_(1)
-    norm = text_model.norm
-    out = ops.rms_norm(mlp_out, norm.weight, norm.eps, residual=h)[0]
     return out[:B, None], out[-1:, None]
 
 

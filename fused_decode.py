@@ -41,6 +41,26 @@ def step_linear(ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def run_layers(text_model, ops, h: torch.Tensor, mix, mlp) -> torch.Tensor:
+    """The decoder layers over the residual stream ``h`` [N, ..., hidden] on one device, each layer's MLP output added
+    to the stream inside the next norm (one launch, not two): ``mix(layer, x, i)`` runs layer ``i``'s token mixer
+    (DeltaNet or attention) over its normed input, ``mlp(layer, x)`` its MLP. Returns the final-norm hidden state,
+    ``h``'s shape."""
+    mlp_out = None
+    for i, layer in enumerate(text_model.layers[: text_model.config.num_hidden_layers]):
+        ln = layer.input_layernorm
+        if mlp_out is None:
+            x = ops.rms_norm(h, ln.weight, ln.eps)
+        else:
+            x, h = ops.rms_norm(mlp_out, ln.weight, ln.eps, residual=h)
+        y = mix(layer, x, i)
+        ln = layer.post_attention_layernorm
+        x, h = ops.rms_norm(y, ln.weight, ln.eps, residual=h)
+        mlp_out = mlp(layer, x)
+    norm = text_model.norm
+    return ops.rms_norm(mlp_out, norm.weight, norm.eps, residual=h)[0]
+
+
 def rope_plan(rot, device) -> tuple[torch.Tensor, torch.Tensor, float] | None:
     """For stock's interleaved-mRoPE text rotary module ``rot`` with a static type: ``(sections [R], freqs [R],
     attention_scaling)`` for ``mrope_step``, R = 2 * len(inv_freq) the rotary dims of cos / sin: dimension d reads
@@ -344,24 +364,15 @@ class DecodeState:
             slots.append(slot)
             ropes.append((cos, sin))
         conv_saved, recurrent_saved = {}, {}
-        mlp_out = None
-        for i, layer in enumerate(text_model.layers[: text_model.config.num_hidden_layers]):
-            ln = layer.input_layernorm
-            if mlp_out is None:
-                x = ops.rms_norm(h, ln.weight, ln.eps)
-            else:
-                x, h = ops.rms_norm(mlp_out, ln.weight, ln.eps, residual=h)
+
+        def mix(layer, x, i):
             if layer.block_type == "linear_attention":
-                y = self._deltanet_verify(layer.linear_attn, x, i, B, T, conv_saved, recurrent_saved)
-            else:
-                y = self._attention_verify(layer.self_attn, x, i, B, T, slots, ropes)
-            ln = layer.post_attention_layernorm
-            x, h = ops.rms_norm(y, ln.weight, ln.eps, residual=h)
-            mlp_out = self._mlp_step(layer.mlp, x)
+                return self._deltanet_verify(layer.linear_attn, x, i, B, T, conv_saved, recurrent_saved)
+            return self._attention_verify(layer.self_attn, x, i, B, T, slots, ropes)
+
+        hidden = run_layers(text_model, ops, h, mix, lambda layer, x: self._mlp_step(layer.mlp, x)).view(B, T, -1)
         self.slot.copy_(slot0 + T)
         self.positions.copy_(positions0 + T)
-        norm = text_model.norm
-        hidden = ops.rms_norm(mlp_out, norm.weight, norm.eps, residual=h)[0].view(B, T, -1)
         return Verified(hidden, slot0, positions0, conv_saved, recurrent_saved)
 
     def _deltanet_verify(self, m, x, i, B, T, conv_saved, recurrent_saved):
