@@ -79,10 +79,15 @@ class BatchState:
     Every operation here is a device copy queued on the stream: none waits for the GPU.
     """
 
-    def __init__(self, text_model, plan: FusedPlan, rows: int, max_len: int, prefill_len: int):
-        self.rows, self.max_len, self.prefill_len = rows, max_len, prefill_len
+    def __init__(self, text_model, plan: FusedPlan, rows: int, max_len: int, prefill_len: int,
+                 prefill: DecodeState | None = None):
+        """``prefill``: a batch-1 state of at least ``prefill_len`` tokens to prefill in (kept from earlier buffers,
+        with its prompt graphs), else a new one."""
         self.state = DecodeState(text_model, plan, rows, max_len)
-        self.prefill = DecodeState(text_model, plan, 1, prefill_len)
+        if prefill is None:
+            prefill = DecodeState(text_model, plan, 1, prefill_len)
+        self.rows, self.max_len, self.prefill_len = rows, max_len, prefill.max_len
+        self.prefill = prefill
         self.views = {rows: self.state}
         with torch.inference_mode(False):
             self.tokens = torch.zeros(rows, dtype=torch.long, device=self.state.device)
@@ -112,11 +117,13 @@ class BatchState:
     def nbytes(self) -> int:
         return self.state.nbytes() + self.prefill.nbytes()
 
-    def drop(self) -> None:
-        """Free every graph (the runner released the buffers, or replaced them with larger ones)."""
+    def drop(self, keep_prefill: bool = False) -> None:
+        """Free every graph (the runner released the buffers, or replaced them), the prefill state's unless
+        ``keep_prefill`` (new buffers take it over)."""
         for view in self.views.values():
             view.drop()
-        self.prefill.drop()
+        if not keep_prefill:
+            self.prefill.drop()
 
     def drop_stale_graphs(self) -> None:
         """Capture again where a parameter was replaced since a capture (an adapter injected, a reload)."""

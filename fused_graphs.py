@@ -78,6 +78,25 @@ def capture_graph(text_model, forward, pool, what: str, warm: bool = True):
     return graph, out
 
 
+def anchor_graph(pool, device) -> tuple | None:
+    """``(graph, tensor)``: a graph of one in-place op on a tensor of its own, captured on ``pool``. Whoever holds it
+    keeps one graph on the pool at all times, the allocator's count of the pool's graphs above 0 (see ``FusedRunner.pool``). None, said once,
+    when the capture fails (the pool then lives as long as its other graphs)."""
+    try:
+        with torch.cuda.device(device), torch.inference_mode(False):
+            flag = torch.zeros(1, device=device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                flag.add_(1)
+    except Exception as err:  # noqa: BLE001 - without the anchor the graphs still work, as before it
+        reset_rng_after_failed_capture()
+        announce(f"graph-anchor/{type(err).__name__}", "Qwen3.5 fused kernels: the graph pool's anchor could not be "
+                 f"captured ({type(err).__name__}: {err}); a capture after every graph on the pool was freed may fail "
+                 "and run that forward without its graph.")
+        return None
+    return graph, flag
+
+
 class LRU:
     """At most ``size`` entries, the least recently used dropped first (its ``drop()`` called)."""
 

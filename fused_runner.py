@@ -22,7 +22,15 @@ import torch
 from .fused_batch_state import BatchState
 from .fused_compat import CACHE_KWS, OUTPUT_CACHE_FIELD
 from .fused_decode import DecodeState, FusedDecodeCache, decode_len_bucket, stock_cache_from_state
-from .fused_graphs import CAPTURE_AFTER, FORWARD_GRAPH_MAX_LEN, LRU, ForwardGraph, PrefillGraph, forward_len_bucket
+from .fused_graphs import (
+    CAPTURE_AFTER,
+    FORWARD_GRAPH_MAX_LEN,
+    LRU,
+    ForwardGraph,
+    PrefillGraph,
+    anchor_graph,
+    forward_len_bucket,
+)
 from .fused_layers import prefill_into
 from .fused_plan import FusedPlan, announce
 
@@ -101,7 +109,7 @@ class FusedRunner:
         self.forward_graphs = LRU(MAX_FORWARD_GRAPHS)
         self.forward_calls: dict = {}
         self.batch: BatchState | None = None
-        self._pool = None
+        self._pool = self._anchor = None
 
     # A copy of a model (copy.deepcopy) gets a runner of its own, empty: buffers and graphs point at the original's
     # parameters, and a lock cannot be copied.
@@ -121,12 +129,20 @@ class FusedRunner:
             self.forward_graphs.clear()
             self.forward_calls.clear()
             self.drop_batch_state()
-            self._pool = None
+            self._pool = self._anchor = None
 
     def pool(self):
-        """The memory pool every forward / prompt graph of this model is captured on (None off CUDA)."""
+        """The memory pool every forward / prompt graph of this model is captured on (None off CUDA), with its anchor
+        (``anchor_graph``): a one-op graph held here until :meth:`release`, so that the pool never runs out of graphs.
+
+        The allocator counts the graphs that use a pool; when the last one is freed while the pool still holds
+        blocks (a ``generate_batch`` call at new sizes frees its buffers' prompt graphs), the next capture on that id
+        fails an internal assert of the allocator, and that prompt bucket then ran without its graph: ~38 ms a prompt
+        whatever its length at 4B, against ~19 us a token replayed (measured, H100). A ``torch.cuda.MemPool`` held
+        instead aborted the process when garbage collection freed it before the graphs on it."""
         if self._pool is None and self.plan.graphs:
             self._pool = torch.cuda.graph_pool_handle()
+            self._anchor = anchor_graph(self._pool, self.plan.device)
         return self._pool
 
     # -- generate_batch ----------------------------------------------------------------------------------------------
@@ -134,18 +150,21 @@ class FusedRunner:
     def batch_state(self, text_model, rows: int, max_len: int, prefill_len: int) -> BatchState:
         """The buffers of a ``generate_batch`` call: ``rows`` rows of ``max_len`` cache tokens and a batch-1 prefill
         state of at least ``prefill_len`` tokens; the ones kept from an earlier call when their sizes match (their
-        graphs with them), else new ones (the old freed first)."""
+        graphs with them), else new rows (the old freed first) over the kept prefill state when it is long enough:
+        its prompt graphs, one per prompt-length bucket, are what a call's first prompts pay to capture (~150 ms a
+        bucket at 4B, 16 buckets for prompts of 32-2,048 tokens), and they do not depend on the rows."""
         kept = self.batch
         if kept is not None and (kept.rows, kept.max_len) == (rows, max_len) and kept.prefill_len >= prefill_len:
             kept.drop_stale_graphs()
             return kept
-        self.drop_batch_state()
-        self.batch = BatchState(text_model, self.plan, rows, max_len, prefill_len)
+        prefill = kept.prefill if kept is not None and kept.prefill_len >= prefill_len else None
+        self.drop_batch_state(keep_prefill=prefill is not None)
+        self.batch = BatchState(text_model, self.plan, rows, max_len, prefill_len, prefill)
         return self.batch
 
-    def drop_batch_state(self) -> None:
+    def drop_batch_state(self, keep_prefill: bool = False) -> None:
         if self.batch is not None:
-            self.batch.drop()
+            self.batch.drop(keep_prefill)
             self.batch = None
 
     # -- generate ----------------------------------------------------------------------------------------------------

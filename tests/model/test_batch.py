@@ -95,6 +95,32 @@ def test_greedy_matches_batch_1_generate(kind, shifts):
 
 
 @cpu_emulated
+def test_a_call_at_new_sizes_keeps_the_prefill_state():
+    """A call whose rows or cache length differ from the last call's gets new rows over the same batch-1 prefill
+    state (its prompt graphs with it) while that state holds the longest prompt; a longer prompt gets a new one. The
+    tokens stay batch-1 ``generate``'s."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    runner = fused._text_model().runner
+    prompts = _prompts((70, 5, 17))
+
+    def run(prompts, new, rows):
+        out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=new,
+                                   continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=rows))
+        for got, prompt in zip(out.values(), prompts):
+            assert got.generated_tokens == _reference(fused, prompt, new)
+        return runner.batch
+
+    first = run(prompts, 6, 3)
+    prefill = first.prefill
+    second = run(prompts[1:], 30, 2)  # other rows, another cache length: new rows
+    assert second is not first and (second.rows, second.max_len) != (first.rows, first.max_len)
+    assert second.prefill is prefill and second.prefill_len == prefill.max_len
+    longer = _prompts((400,), seed=5)
+    third = run(longer, 4, 2)
+    assert third.prefill is not prefill and third.prefill_len >= 400
+
+
+@cpu_emulated
 def test_the_live_span_moves_left_when_the_cache_fills(monkeypatch, shifts):
     """Two rows of 64 cache tokens (a token budget of 2 blocks of 64): the slot reaches the end of the cache while
     requests are live, the span moves left (through chunks of 3 tokens, so overlapping moves are exercised), and every

@@ -804,6 +804,27 @@ def _syncing_forward():
 
 
 @pytest.mark.cuda
+def test_the_graph_pool_outlives_its_graphs_cuda():
+    """A capture on the model's pool after every graph on it was freed while a tensor one of them allocated lives on
+    (a generate_batch call at new sizes frees its buffers' prompt graphs) succeeds: on a bare ``graph_pool_handle()``
+    the allocator's count of the pool's graphs is then 0 and the capture fails an internal assert, and that prompt
+    bucket ran without its graph from then on."""
+    _, fused = cuda_pair(torch.bfloat16)
+    text_model = fused.model
+    runner = text_model.runner
+    x = torch.ones(8, device="cuda")
+    first = graphs.capture_graph(text_model, lambda: x * 2, runner.pool(), "pool test")
+    assert first is not None
+    first[0].replay()
+    out = first[1]
+    del first  # the pool's only graph freed; its output still held
+    second = graphs.capture_graph(text_model, lambda: x + 1, runner.pool(), "pool test")
+    assert second is not None, "the capture after the pool's last graph was freed failed"
+    second[0].replay()
+    assert torch.equal(second[1], x + 1) and torch.equal(out, x * 2)
+
+
+@pytest.mark.cuda
 def test_failed_capture_leaves_random_ops_usable(caplog):
     """A capture that fails (a host sync inside it) is said once and leaves the CUDA generator usable: torch's
     capture_end raises before it takes the generator out of capture mode, and without the reset every later random
