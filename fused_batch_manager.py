@@ -213,7 +213,9 @@ class FusedBatchManager:
         need = DEFAULT_CACHE_TOKENS // 2  # the cache is sized at twice the longest request
         if blocks and rows:
             need = max(1, blocks * block_tokens(cb) // rows // 2)
-        return build_engine(self.model, self.generation_config, cb, need, rows or 1 << 30, 1, stream=True,
+        # the prompts are not known in advance: the prefill state is sized for the longest request the rows are, once
+        # (grown per longer prompt, it would free and recapture every prompt graph each time: ~150 ms a bucket at 4B)
+        return build_engine(self.model, self.generation_config, cb, need, rows or 1 << 30, need, stream=True,
                             given_config=self._given_config, prefill_chunk=self.prefill_chunk)
 
     def _deliver(self, engine) -> None:

@@ -526,6 +526,30 @@ def test_the_manager_streams_tokens_and_cancels():
 
 
 
+@cpu_emulated
+def test_the_manager_sizes_its_prefill_state_once(monkeypatch):
+    """The manager does not know its prompts in advance: its prefill state holds from the start the longest request
+    its rows are sized for, so prompts of growing lengths never replace it (a state grown per longer prompt frees
+    every prompt graph captured so far). The tokens stay batch-1 ``generate``'s."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    grown = []
+    grow = batch_state.BatchState.grow_prefill
+    monkeypatch.setattr(batch_state.BatchState, "grow_prefill", lambda self, *a: grown.append(a[-1]) or grow(self, *a))
+    prompts = _prompts((5, 70, 300, 700))
+    cb = ContinuousBatchingConfig(max_requests_per_batch=2)
+    with fused.continuous_batching_context_manager(generation_config=_greedy(max_new_tokens=3),
+                                                   continuous_batching_config=cb) as manager:
+        ids = [manager.add_request(p) for p in prompts]
+        results = {}
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=30)
+            assert result is not None, results
+            results[result.request_id] = result
+    assert not grown, grown
+    for rid, prompt in zip(ids, prompts):
+        assert results[rid].generated_tokens == _reference(fused, prompt, 3), rid
+
+
 def _top(model, prompt, tokens, k):
     """For each of ``tokens`` (generated after ``prompt``), the ``k`` likeliest tokens at its position (``model``:
     the stock twin)."""
