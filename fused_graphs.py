@@ -80,8 +80,8 @@ def capture_graph(text_model, forward, pool, what: str, warm: bool = True):
 
 def anchor_graph(pool, device) -> tuple | None:
     """``(graph, tensor)``: a graph of one in-place op on a tensor of its own, captured on ``pool``. Whoever holds it
-    keeps one graph on the pool at all times, the allocator's count of the pool's graphs above 0 (see ``FusedRunner.pool``). None, said once,
-    when the capture fails (the pool then lives as long as its other graphs)."""
+    keeps one graph on the pool at all times, the allocator's count of the pool's graphs above 0 (see
+    ``FusedRunner.pool``). None, said once, when the capture fails (the pool then lives as long as its other graphs)."""
     try:
         with torch.cuda.device(device), torch.inference_mode(False):
             flag = torch.zeros(1, device=device)
