@@ -42,6 +42,10 @@ MAX_FORWARD_GRAPHS = 16
 # Of those, the ones that return a cache (each keeps a bucket-sized conv / recurrent / K-V state: ~115 MB at the 4B
 # shape and 2,048 tokens).
 MAX_CACHE_FORWARD_GRAPHS = 4
+# generate_batch's prefill state (and its prompt graphs) is kept for a call at new sizes while it holds the call's
+# longest prompt and is at most twice the length that needs, or at most this long (128 MiB of keys / values at the 4B
+# shape): a state kept from a 32k-token prompt (~2 GiB at 4B) is not pinned by calls of short prompts.
+KEEP_PREFILL_TOKENS = 4096
 # Arguments a bucketed forward accepts, with the values it accepts them at (anything else runs eagerly, said once).
 GRAPH_NEUTRAL_KWARGS = {"return_dict": (None, True), "output_attentions": (None, False),
                         "output_hidden_states": (None, False), "output_router_logits": (None, False),
@@ -150,14 +154,16 @@ class FusedRunner:
     def batch_state(self, text_model, rows: int, max_len: int, prefill_len: int) -> BatchState:
         """The buffers of a ``generate_batch`` call: ``rows`` rows of ``max_len`` cache tokens and a batch-1 prefill
         state of at least ``prefill_len`` tokens; the ones kept from an earlier call when their sizes match (their
-        graphs with them), else new rows (the old freed first) over the kept prefill state when it is long enough:
-        its prompt graphs, one per prompt-length bucket, are what a call's first prompts pay to capture (~150 ms a
-        bucket at 4B, 16 buckets for prompts of 32-2,048 tokens), and they do not depend on the rows."""
+        graphs with them), else new rows (the old freed first) over the kept prefill state when it is long enough and
+        not much longer (``KEEP_PREFILL_TOKENS``): its prompt graphs, one per prompt-length bucket, are what a call's
+        first prompts pay to capture (~150 ms a bucket at 4B, 16 buckets for prompts of 32-2,048 tokens), and they do
+        not depend on the rows."""
         kept = self.batch
         if kept is not None and (kept.rows, kept.max_len) == (rows, max_len) and kept.prefill_len >= prefill_len:
             kept.drop_stale_graphs()
             return kept
-        prefill = kept.prefill if kept is not None and kept.prefill_len >= prefill_len else None
+        keep = kept is not None and prefill_len <= kept.prefill_len <= max(2 * prefill_len, KEEP_PREFILL_TOKENS)
+        prefill = kept.prefill if keep else None
         self.drop_batch_state(keep_prefill=prefill is not None)
         self.batch = BatchState(text_model, self.plan, rows, max_len, prefill_len, prefill)
         return self.batch

@@ -95,10 +95,12 @@ def test_greedy_matches_batch_1_generate(kind, shifts):
 
 
 @cpu_emulated
-def test_a_call_at_new_sizes_keeps_the_prefill_state():
+def test_a_call_at_new_sizes_keeps_the_prefill_state(monkeypatch):
     """A call whose rows or cache length differ from the last call's gets new rows over the same batch-1 prefill
-    state (its prompt graphs with it) while that state holds the longest prompt; a longer prompt gets a new one. The
-    tokens stay batch-1 ``generate``'s."""
+    state (its prompt graphs with it) while that state holds the longest prompt and is not much longer than it needs
+    (``KEEP_PREFILL_TOKENS``); a longer prompt gets a new one, and so does a call of short prompts after a long one.
+    The tokens stay batch-1 ``generate``'s."""
+    monkeypatch.setattr(helpers.runner_mod, "KEEP_PREFILL_TOKENS", 256)
     _, fused = stock_and_fused_lm(seed=0, **SPREAD)
     runner = fused._text_model().runner
     prompts = _prompts((70, 5, 17))
@@ -115,9 +117,11 @@ def test_a_call_at_new_sizes_keeps_the_prefill_state():
     second = run(prompts[1:], 30, 2)  # other rows, another cache length: new rows
     assert second is not first and (second.rows, second.max_len) != (first.rows, first.max_len)
     assert second.prefill is prefill and second.prefill_len == prefill.max_len
-    longer = _prompts((400,), seed=5)
+    longer = _prompts((600,), seed=5)
     third = run(longer, 4, 2)
-    assert third.prefill is not prefill and third.prefill_len >= 400
+    assert third.prefill is not prefill and third.prefill_len >= 600
+    fourth = run(prompts[1:], 6, 3)  # needs 256 tokens: the 1,024 kept would be more than twice that
+    assert fourth.prefill is not third.prefill and fourth.prefill_len == prefill.max_len
 
 
 @cpu_emulated
