@@ -164,6 +164,7 @@ class FusedRunner:
             return kept
         keep = kept is not None and prefill_len <= kept.prefill_len <= max(2 * prefill_len, KEEP_PREFILL_TOKENS)
         prefill = kept.prefill if keep else None
+        del kept  # the old rows are freed before the new ones are allocated (the budget counted them as free)
         self.drop_batch_state(keep_prefill=prefill is not None)
         self.batch = BatchState(text_model, self.plan, rows, max_len, prefill_len, prefill)
         return self.batch

@@ -21,9 +21,10 @@ The three runs, each over the requests in their order:
 3. the fused ``generate_batch``: every request joins a free row when one frees up and leaves at its own count.
 
 Warm-ups, off the clock: every model on the first 4 requests; before each ``generate_batch`` setting, a call that
-captures the prompt graph of every prompt-length bucket the workload uses (``--warm buckets``, ``bucket_warmup``; its
-wall time is reported: what a first call pays on top), or on the 4 requests only (``--warm few``: the timed run then
-captures the buckets the 4 did not reach). The static runs capture theirs in their first batches: a padded batch of
+runs the timed call's first shapes (``--warm buckets``, ``bucket_warmup``: every prompt-length bucket the workload
+uses, its buffers' sizes, every row bucket; its wall time is reported: what a first call pays on top), or on the 4
+requests only (``--warm few``: the timed run then pays the shapes the 4 did not reach). Stock's model is released
+after run (1): ``generate_batch`` sizes its buffers from the free memory. The static runs capture theirs in their first batches: a padded batch of
 32 prompts lands in the longest buckets.
 
 Stock on 512 requests at 4B takes long: it runs the first ``--stock-requests`` of them, and the fused static batches
@@ -65,17 +66,26 @@ def workload(n: int, prompt_range: tuple[int, int], new_range: tuple[int, int], 
     return requests
 
 
-def bucket_warmup(requests: list) -> list:
-    """Requests that capture every prompt graph ``requests`` use: per prompt-length bucket of the fused prefill, its
-    first ``CAPTURE_AFTER`` prompts (a bucket's graph is captured on its second prompt), 2 new tokens each, the
-    longest prompt among them (so the prefill state the timed run needs is the one warmed)."""
+def bucket_warmup(requests: list, rows: int) -> list:
+    """Requests that run every first shape of the timed ``generate_batch`` call at ``rows`` rows, off the clock:
+
+    - per prompt-length bucket of the fused prefill, its first ``CAPTURE_AFTER`` prompts (a bucket's graph is captured
+      on its second prompt), 2 new tokens each, the longest prompt among them (the prefill state the timed run needs);
+    - the request of the largest cache need (prompt + new), so the call sizes the same buffers as the timed one and
+      the timed call reuses them, step graphs and all;
+    - ``rows`` requests of a 32-token prompt with 2 .. rows + 1 new tokens: one leaves per step, so the step runs at
+      every row bucket down to one row (each bucket's graph, and each row tier's linear-kernel timing, a first call's
+      cost: the one-row tier's took tens of seconds inside a timed 4B run on an H100)."""
     graphs = import_module("fused_graphs")
     by_bucket = {}
     for prompt, _ in sorted(requests, key=lambda r: -len(r[0])):
         picked = by_bucket.setdefault(graphs.forward_len_bucket(len(prompt)), [])
         if len(picked) < graphs.CAPTURE_AFTER:
             picked.append((prompt, 2))
-    return [r for picked in by_bucket.values() for r in picked]
+    warm = [r for picked in by_bucket.values() for r in picked]
+    warm.append(max(requests, key=lambda r: len(r[0]) + r[1]))
+    short = requests[0][0][:32]
+    return warm + [(short, 2 + i) for i in range(rows)]
 
 
 def sync(device) -> None:
@@ -347,13 +357,14 @@ def run(args) -> dict:
         stock_s = fused_s = None
     else:
         stock_s, fused_s = _static_runs(args, results, stock, fused, requests, subset, tokens, sub_tokens, device)
+    stock = _free(stock, device)  # generate_batch sizes its buffers from the free memory: stock's is not the user's
     # each (rows, prefill_chunk) setting in turn, the most rows last: its buffers are the ones the steps are timed on
     for rows, chunk, ride in settings(args):
         name = f"(3) fused generate_batch, {rows} rows, chunk {chunk}" + (", riding" if ride else "")
         log(name)
         batch_mod.MIXED_ON_GPU = ride  # read once per generate_batch call (BatchEngine.ride)
         # this setting's own first shapes, off the clock (the prompts' graphs stay for the run: kept across sizes)
-        warm_set = bucket_warmup(requests) if args.warm == "buckets" else warm
+        warm_set = bucket_warmup(requests, rows) if args.warm == "buckets" else warm
         start = time.perf_counter()
         continuous(fused, warm_set, rows, device, chunk)
         results.setdefault("warmup_s", {})[name] = (len(warm_set), time.perf_counter() - start)
@@ -381,6 +392,13 @@ def run(args) -> dict:
             steps = time_decode_steps(fused, context, ceilings["copy_bytes_per_s"])
         results["decode_steps"] = {str(rows): s for rows, s in steps.items()}
     return results
+
+
+def _free(model, device) -> None:
+    """Release ``model``'s device memory (the caller drops its last reference with the returned None)."""
+    model.to("meta")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _static_runs(args, results, stock, fused, requests, subset, tokens, sub_tokens, device):

@@ -22,6 +22,7 @@ buffers reused; bf16 reruns.
 import logging
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -122,6 +123,63 @@ def test_a_call_at_new_sizes_keeps_the_prefill_state(monkeypatch):
     assert third.prefill is not prefill and third.prefill_len >= 600
     fourth = run(prompts[1:], 6, 3)  # needs 256 tokens: the 1,024 kept would be more than twice that
     assert fourth.prefill is not third.prefill and fourth.prefill_len == prefill.max_len
+
+
+@cpu_emulated
+def test_the_buffers_a_call_replaces_count_as_free(monkeypatch):
+    """On a GPU without a token budget the buffers are sized from the free memory, and the buffers an earlier call
+    left count as free (they are reused or replaced, never kept beside new ones): the same call twice gets the same
+    buffers, and a call at more rows after it the whole budget. Here a device whose free memory is a budget of 1,000
+    cache tokens beside 3 rows, less what the runner's buffers hold."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    text = fused._text_model()
+    runner = text.runner
+    per_token, per_row = batch_mod._state_bytes(text)
+    prompts = _prompts((70, 5, 17))
+    prefill_bytes = batch_state.prefill_len_for(70) * per_token + per_row
+    device_free = (1000 * per_token + prefill_bytes + 3 * per_row) / batch_mod.DEFAULT_MEMORY_FRACTION + per_token
+    held = lambda: runner.batch.nbytes() if runner.batch is not None else 0  # noqa: E731
+    monkeypatch.setattr(batch_mod, "_device_free", lambda device: int(device_free) - held())
+
+    def run(rows):
+        out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=6,
+                                   continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=rows))
+        for got, prompt in zip(out.values(), prompts):
+            assert got.status == RequestStatus.FINISHED, got.error
+            assert got.generated_tokens == _reference(fused, prompt, 6)
+        return runner.batch
+
+    first = run(3)
+    assert (first.rows, first.max_len) == (3, 256)  # 768 of 1,000 tokens: no cut
+    assert run(3) is first
+    wide = run(6)  # 3 more rows' states off the 1,000 tokens, a sixth of it in 64s: 128; the longest needs 75
+    assert (wide.rows, wide.max_len) == (6, 128)
+
+
+@cpu_emulated
+def test_a_call_at_new_sizes_frees_the_old_rows_first(monkeypatch):
+    """The budget counts the rows an earlier call left as free: they are gone before the new rows are allocated
+    (held while allocating, 256 rows after 128 ran out of memory on an H100 at 4B and ran at 128)."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    runner = fused._text_model().runner
+    prompts = _prompts((70, 5, 17))
+
+    def run(rows):
+        fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=6,
+                             continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=rows))
+
+    run(3)
+    old = weakref.ref(runner.batch.state)
+    alive = []
+    init = batch_state.BatchState.__init__
+
+    def allocating(self, *args, **kwargs):
+        alive.append(old() is not None)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(batch_state.BatchState, "__init__", allocating)
+    run(2)
+    assert alive == [False] and runner.batch.rows == 2
 
 
 @cpu_emulated

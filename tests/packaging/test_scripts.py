@@ -262,6 +262,9 @@ def test_benchmark_batch_on_the_fused_scheduler_cpu(tmp_path, fused_on_cpu):
     requests = benchmark_batch.workload(6, (4, 40), (2, 12), 256, seed=0)
     assert requests == benchmark_batch.workload(6, (4, 40), (2, 12), 256, seed=0)  # seeded
     assert all(4 <= len(p) <= 40 and 2 <= n <= 12 for p, n in requests)
+    warm = benchmark_batch.bucket_warmup(requests, 3)  # the timed call's first shapes
+    assert max(requests, key=lambda r: len(r[0]) + r[1]) in warm  # its buffers' sizes
+    assert [n for p, n in warm[-3:]] == [2, 3, 4] and all(p == requests[0][0][:32] for p, _ in warm[-3:])  # rows 3..1
     names = [f"(3) fused generate_batch, {rows} rows, chunk {chunk}" for rows in (2, 3)
              for chunk in ("16, riding", None)]  # off a GPU, chunks always ride on the decode step
     assert [n for n in results["runs"] if n.startswith("(3)") and "subset" not in n] == names  # fewest rows first
