@@ -422,6 +422,14 @@ def test_benchmark_gemv_shapes_and_cpu_refusal():
             benchmark_gemv.main(["--shapes", "0.8B"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_probe_batch_overlap_refuses_without_a_gpu():
+    from scripts import probe_batch_overlap
+
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        probe_batch_overlap.main(["--model", "4b"])
+
+
 def test_benchmark_moe_runs_on_cpu(tmp_path):
     """The MoE block benchmark end to end at the tiny shape (our kernels under the interpreter): a decode and a
     prefill token count, every variant timed or its failure reported, the floors, and ours equal to stock's block."""
