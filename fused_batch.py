@@ -227,6 +227,7 @@ class BatchEngine:
         self.updated: list[Request] = []  # with ``stream``: requests given tokens since it was last emptied
         if rule.per_request:
             buffers.ensure_history()
+        buffers.free_all()
 
     @property
     def busy(self) -> bool:
@@ -426,6 +427,7 @@ class BatchEngine:
         job = self.prefilling if self.prefilling is not None and self.prefilling.riding is not None else None
         self._make_room()
         n = len(self.live)
+        self.buffers.set_live(n)
         view = self.buffers.view(n)
         weight = self.text_model.embed_tokens.weight
         torch.index_select(weight, 0, self.buffers.tokens[: view.batch], out=view.embeds.view(view.batch, -1))
@@ -476,6 +478,7 @@ class BatchEngine:
             mover.row = row
             self.live[row] = mover
         self.live.pop()
+        self.buffers.free_row(last)
         req.row = None
 
     # -- reading the tokens back -------------------------------------------------------------------------------------

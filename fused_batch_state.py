@@ -15,8 +15,14 @@ and its positions at P. The keys are stored rotated at each request's own positi
 where a window sits in the cache does not change what the row computes. The live windows together span [lo, S), lo
 the oldest live request's first index; the scheduler moves that span as a whole (:meth:`BatchState.shift`): left by
 lo when the slot reaches the end of the cache (or the dead prefix [0, lo) that every step still reads grows large),
-right when a request joins whose prompt is longer than S. A free row is simply not read: its outputs are ignored and
-its row is overwritten when a request takes it.
+right when a request joins whose prompt is longer than S. A free row is not read: its outputs are ignored and its
+row is overwritten when a request takes it.
+
+What a step reads. Each row's attention reads its own window, from its first key (``row_start``, kept here with every
+row operation) to the slot, not the whole span [0, S) the windows share; a free row's start is L, so it reads no key.
+The DeltaNet rule step runs the live rows only (``live``, set before each step): a free row of a row bucket's step
+(129 live rows run the 256-row graph) neither reads nor writes its 2 MB of state a layer (4B). On a model split over
+devices neither is kept, and every row reads from 0.
 """
 
 import torch
@@ -88,6 +94,9 @@ class BatchState:
             prefill = DecodeState(text_model, plan, 1, prefill_len)
         self.rows, self.max_len, self.prefill_len = rows, max_len, prefill.max_len
         self.prefill = prefill
+        if not self.state.multi_device:
+            self.state.track_rows()
+        self.live_rows = 0  # the host's copy of ``state.live`` (written when it changes)
         self.views = {rows: self.state}
         with torch.inference_mode(False):
             self.tokens = torch.zeros(rows, dtype=torch.long, device=self.state.device)
@@ -181,6 +190,8 @@ class BatchState:
         st = self.state
         st.key_valid[row].zero_()
         st.key_valid[row, slot - length : slot] = True
+        if st.row_start is not None:
+            st.row_start[row].fill_(slot - length)
         st.positions[:, row].fill_(length)
         self.tokens[row : row + 1].copy_(first)
         if self.history is not None:
@@ -199,6 +210,8 @@ class BatchState:
             for t in kv.values():
                 t[dst, :, lo:hi].copy_(t[src, :, lo:hi])
         st.key_valid[dst].copy_(st.key_valid[src])
+        if st.row_start is not None:
+            st.row_start[dst].copy_(st.row_start[src])
         st.positions[:, dst].copy_(st.positions[:, src])
         self.tokens[dst : dst + 1].copy_(self.tokens[src : src + 1])
         if self.history is not None:
@@ -218,7 +231,26 @@ class BatchState:
             move_span(valid, 1, lo, hi, delta)
             valid[:, : max(0, lo + delta)] = False
             valid[:, hi + delta :] = False
+            if st.row_start is not None:
+                st.row_start[:live] += delta
         st.slot.fill_(hi + delta)
 
     def set_slot(self, slot: int) -> None:
         self.state.slot.fill_(slot)
+
+    def free_row(self, row: int) -> None:
+        """Row ``row`` holds no request now: its attention reads no key from the next step on."""
+        if self.state.row_start is not None:
+            self.state.row_start[row].fill_(self.max_len)
+
+    def free_all(self) -> None:
+        """No row holds a request (a new scheduler over kept buffers)."""
+        if self.state.row_start is not None:
+            self.state.row_start.fill_(self.max_len)
+        self.set_live(0)
+
+    def set_live(self, live: int) -> None:
+        """Rows 0..live-1 hold the requests of the next step (a device write only when the count changed)."""
+        if self.state.live is not None and live != self.live_rows:
+            self.state.live.fill_(live)
+            self.live_rows = live

@@ -96,7 +96,10 @@ class DecodeState:
     - full-attention layer i: ``keys[i]``, ``values[i]`` [B, KV, L, D] (model dtype);
     - step inputs: ``embeds`` [B, 1, hidden], ``positions`` [3, B, 1] (mRoPE t/h/w), ``slot`` [1] int64 (the cache
       index the next token is written to; the step advances it), ``key_valid`` [B, L] bool (padding mask of the
-      keys written so far).
+      keys written so far);
+    - with :meth:`track_rows` (``generate_batch``'s rows): ``row_start`` [B] int64, each row's first valid key (its
+      attention reads from there, not from 0; L for a free row), and ``live`` [1] int64, the rows 0..live-1 that
+      hold requests (the DeltaNet rule step skips the others' states). None otherwise: every row reads from 0.
 
     The step (``step``) runs the whole decoder for one token on these buffers; with CUDA graphs it is captured
     once, on its second call (the first, eager, warms every kernel), and replayed for every later token.
@@ -148,8 +151,19 @@ class DecodeState:
         view.positions = parent.positions[:, :rows]
         view.slot = parent.slot
         view.key_valid = parent.key_valid[:rows]
+        view.row_start = None if parent.row_start is None else parent.row_start[:rows]
+        view.live = parent.live
         view._no_graphs()
         return view
+
+    def track_rows(self) -> None:
+        """Keep ``row_start`` and ``live`` (see the class docstring): every row free until the caller loads one.
+        Before any graph is captured (the step reads them from then on). One device only."""
+        if self.multi_device:
+            raise ValueError("row tracking runs on a state on one device")
+        with torch.inference_mode(False):
+            self.row_start = torch.full((self.batch,), self.max_len, dtype=torch.long, device=self.device)
+            self.live = torch.zeros(1, dtype=torch.long, device=self.device)
 
     def _allocate(self, text_model, batch: int, max_len: int) -> None:
         weight = text_model.embed_tokens.weight
@@ -178,6 +192,7 @@ class DecodeState:
         self.positions = torch.zeros(3, batch, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.row_start, self.live = None, None  # `track_rows`
         self.rope = rope_plan(text_model.rotary_emb, device)
 
     def nbytes(self) -> int:
@@ -298,6 +313,7 @@ class DecodeState:
             m.dt_bias,
             self.recurrent[i],
             prefetch_state=prefetch_state,
+            **({} if self.live is None else {"live": self.live}),
         )  # [B, HV, Dv]; the state is updated in place
         return self.ops.gated_rms_norm(core, z, m.norm.weight, m.norm.variance_epsilon)  # [B, value_dim]
 
@@ -320,7 +336,7 @@ class DecodeState:
         # The H query heads of one token attend over the keys written so far (0..slot) that are not padding
         # (`valid`, [B, L]), then the output gate: two launches.
         return self.ops.decode_attention(q.reshape(B, H, D), keys, values, valid, slot, gate.view(B, H * D),
-                                         m.scaling)
+                                         m.scaling, **({} if self.row_start is None else {"start": self.row_start}))
 
     def _mlp_step(self, mlp, x):
         if hasattr(mlp, "decode_step"):  # the MoE models' sparse block (``fused_moe``)

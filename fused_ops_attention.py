@@ -462,11 +462,11 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["stride_valid_b", "L", "S"])
     def _decode_attention_split_kernel(
-        q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, m_ptr, l_ptr, acc_ptr,
+        q_ptr, k_ptr, v_ptr, valid_ptr, slot_ptr, start_ptr, m_ptr, l_ptr, acc_ptr,
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_k_l, stride_v_b, stride_v_h, stride_v_l,
         stride_valid_b, L, S, scale,
         H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_START: tl.constexpr,
         PDL: tl.constexpr,
     ):
         _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
@@ -484,12 +484,15 @@ if HAS_TRITON:
                       mask=m_g[:, None] & m_d[None, :], other=0.0)  # [BG, BD]
         n_keys = tl.minimum(tl.load(slot_ptr) + 1, L)
         n_blocks = tl.cdiv(n_keys, BLOCK_L)
+        first = 0  # the first key block the row may hold a valid key in
+        if HAS_START:
+            first = tl.load(start_ptr + i_b) // BLOCK_L
         b_m = tl.full([BLOCK_G], -1.0e30, tl.float32)
         b_l = tl.zeros([BLOCK_G], tl.float32)
         b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         p_k = k_ptr + i_b.to(tl.int64) * stride_k_b + i_kv * stride_k_h
         p_v = v_ptr + i_b.to(tl.int64) * stride_v_b + i_kv * stride_v_h
-        for i_blk in range(i_s, n_blocks, S):  # S is a run-time value: a longer cache compiles nothing new
+        for i_blk in range(first + i_s, n_blocks, S):  # S is a run-time value: a longer cache compiles nothing new
             o_l = i_blk * BLOCK_L + tl.arange(0, BLOCK_L)
             m_l = o_l < n_keys
             ok = tl.load(valid_ptr + i_b * stride_valid_b + o_l, mask=m_l, other=0) != 0
@@ -505,7 +508,8 @@ if HAS_TRITON:
             alpha = tl.exp(b_m - m_new)
             b_p = tl.exp(b_s - m_new[:, None])
             b_l = b_l * alpha + tl.sum(b_p, axis=1)
-            b_v = tl.load(p_v + o_l[:, None] * stride_v_l + o_d[None, :], mask=m_kv, other=0.0)  # [BL, BD]
+            # invalid positions load as zeros: their weight is 0, and 0 x a stale NaN there would still be NaN
+            b_v = tl.load(p_v + o_l[:, None] * stride_v_l + o_d[None, :], mask=m_kv & ok[:, None], other=0.0)
             # p rounded to the cache dtype for the second dot, as flash attention kernels round it
             v_dt = b_v.dtype
             b_p = _round_to(b_p, v_dt)
@@ -540,7 +544,8 @@ if HAS_TRITON:
         b_w = tl.exp(b_m - tl.max(b_m, axis=0))  # [BS]; 0 for splits without a valid key
         rows = (i_bh * S + o_s).to(tl.int64)
         b_acc = tl.load(acc_ptr + rows[:, None] * D + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
-        b_o = tl.sum(b_acc * b_w[:, None], axis=0) / tl.sum(b_w * b_l, axis=0)  # [BD]
+        den = tl.sum(b_w * b_l, axis=0)  # 0 only for a row without a valid key (its output is then 0)
+        b_o = tl.sum(b_acc * b_w[:, None], axis=0) / tl.where(den > 0, den, 1.0)  # [BD]
         dt = y_ptr.dtype.element_ty
         b_o = _round_to(b_o, dt)
         b_g = tl.load(gate_ptr + i_b * stride_gate_b + i_h * D + o_d, mask=m_d, other=0.0).to(tl.float32)
@@ -568,6 +573,7 @@ def decode_attention(
     slot: torch.Tensor,
     gate: torch.Tensor,
     scale: float,
+    start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated attention of one new token per row over a preallocated K/V cache: `o * sigmoid(gate)`, where `o` is
     softmax attention of q over the cache's keys 0..slot that `valid` marks (padding excluded). Two launches.
@@ -579,10 +585,15 @@ def decode_attention(
         slot: [1] int64 on q's device: the newest key's position; positions after it are not read.
         gate: [B, H * D], q's dtype, last dim contiguous (`attn_prep`'s gate).
         scale: the softmax scale (stock's `head_dim ** -0.5`).
+        start: optional [B] int64 on q's device, read on the device: row b's keys before `start[b]` are not valid
+            (the caller vouches) and not read. `generate_batch` keeps each row's window start there (a row reads
+            its own keys, not the whole span of the rows' windows) and L for a free row (it reads nothing). None:
+            from 0.
 
     Returns:
         y [B, H * D] in q's dtype: the attention output rounded to the dtype (as SDPA returns it), times
-        `sigmoid(gate)` rounded, rounded (as `sigmoid_gate_mul`).
+        `sigmoid(gate)` rounded, rounded (as `sigmoid_gate_mul`); zeros for a row without a valid key (SDPA gives
+        NaN there).
 
     Replaces, in the decode step, `F.scaled_dot_product_attention(q, keys, values, attn_mask=valid)` over the whole
     cache and `sigmoid_gate_mul`. fp32 runs its dots in IEEE fp32. No host sync: capturable.
@@ -608,7 +619,10 @@ def decode_attention(
         raise ValueError(f"gate must be [B, H*D] = {(B, H * D)}, got {tuple(gate.shape)}.")
     for name, t in (("q", q), ("keys", keys), ("values", values), ("valid", valid), ("gate", gate)):
         _check_last_dim_contiguous(name, t)
-    _check_same_device(q=q, keys=keys, values=values, valid=valid, slot=slot, gate=gate)
+    if start is not None and (start.shape != (B,) or start.dtype != torch.long):
+        raise ValueError(f"start must be [B] = {(B,)} int64, got {tuple(start.shape)} {start.dtype}.")
+    _check_same_device(q=q, keys=keys, values=values, valid=valid, slot=slot, gate=gate,
+                       **({} if start is None else {"start": start}))
 
     y = torch.empty(B, H * D, dtype=q.dtype, device=q.device)
     if B == 0 or L == 0:
@@ -621,12 +635,12 @@ def decode_attention(
     with _device_guard(q):
         pdl = pdl_enabled(q.device)
         _decode_attention_split_kernel[(B * KV, S)](
-            q, keys, values, valid, slot, m, l, acc,
+            q, keys, values, valid, slot, slot if start is None else start, m, l, acc,
             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
             values.stride(0), values.stride(1), values.stride(2), valid.stride(0), L, S, float(scale),
             H=H, KV=KV, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // KV)), BLOCK_D=BLOCK_D, BLOCK_L=_DA_BLOCK_L,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST=q.device.type == "cpu", num_warps=4, PDL=pdl, **_pdl_launch(pdl),
+            UPCAST=q.device.type == "cpu", HAS_START=start is not None, num_warps=4, PDL=pdl, **_pdl_launch(pdl),
         )
         _decode_attention_merge_kernel[(B * H,)](
             m, l, acc, gate, y, S, gate.stride(0),
@@ -636,14 +650,19 @@ def decode_attention(
     return y
 
 
-def decode_attention_ref(q, keys, values, valid, slot, gate, scale):
-    """Plain-torch `decode_attention`: SDPA with the padding mask (and nothing after `slot`), then stock's gate."""
+def decode_attention_ref(q, keys, values, valid, slot, gate, scale, start=None):
+    """Plain-torch `decode_attention`: SDPA with the padding mask (and nothing after `slot`, nor before `start`),
+    then stock's gate; zeros for a row without a valid key."""
     B, H, D = q.shape
     KV, L = keys.shape[1], keys.shape[2]
-    mask = valid & (torch.arange(L, device=valid.device) <= slot.to(valid.device))[None, :]  # [B, L]
+    at = torch.arange(L, device=valid.device)
+    mask = valid & (at <= slot.to(valid.device))[None, :]  # [B, L]
+    if start is not None:
+        mask = mask & (at[None, :] >= start.to(valid.device)[:, None])
     o = torch.nn.functional.scaled_dot_product_attention(
         q.reshape(B, KV, H // KV, D), keys, values, attn_mask=mask[:, None, None, :], scale=scale
     )  # [B, KV, G, D]
+    o = torch.where(mask.any(-1)[:, None, None, None], o, torch.zeros_like(o))
     return sigmoid_gate_mul_ref(o.reshape(B, 1, H, D), gate.view(B, 1, H * D)).view(B, H * D)
 
 

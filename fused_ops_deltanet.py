@@ -420,6 +420,7 @@ if HAS_TRITON:
         dt_bias_ptr,
         s_ptr,
         o_ptr,
+        live_ptr,
         stride_q_b,
         stride_q_h,
         stride_k_b,
@@ -443,6 +444,7 @@ if HAS_TRITON:
         BLOCK_K: tl.constexpr,
         BLOCK_V: tl.constexpr,
         PREFETCH_STATE: tl.constexpr,
+        HAS_LIVE: tl.constexpr,
         PDL: tl.constexpr,
         ON_GPU: tl.constexpr,
     ):
@@ -454,6 +456,12 @@ if HAS_TRITON:
         o_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)  # [BV]
         m_k = o_k < K
         m_v = o_v < V
+        if HAS_LIVE:  # a row past the live ones: zeros out, its state neither read nor written
+            if i_b >= tl.load(live_ptr):  # no kernel of the step writes `live`: read before the PDL wait
+                _pdl_wait(PDL)  # the output's memory may still be read by the kernel before
+                o_dt = o_ptr.dtype.element_ty
+                tl.store(o_ptr + i_b * stride_o_b + i_hv * stride_o_h + o_v, tl.zeros([BLOCK_V], o_dt), mask=m_v)
+                return
         m_s = m_k[:, None] & m_v[None, :]  # [BK, BV]
         p_s = s_ptr + i_b * stride_s_b + i_hv * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]  # [BK, BV]
         if PREFETCH_STATE and PDL:  # the caller vouches that no kernel still running writes the state
@@ -475,6 +483,11 @@ if HAS_TRITON:
         tl.store(p_s, b_s, mask=m_s)
         o_dt = o_ptr.dtype.element_ty
         tl.store(o_ptr + i_b * stride_o_b + i_hv * stride_o_h + o_v, _round_to(b_o, o_dt).to(o_dt), mask=m_v)
+
+
+def _check_live(live: torch.Tensor) -> None:
+    if live.numel() != 1 or live.dtype != torch.long:
+        raise ValueError(f"live must be a one-element int64 tensor, got {tuple(live.shape)} {live.dtype}.")
 
 
 def _check_gdr_inputs(q, k, v, a, b, A_log, dt_bias, state, lead: str) -> tuple:
@@ -524,6 +537,7 @@ def gated_delta_rule_step(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     prefetch_state: bool = False,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step of the gated delta rule with its gate and beta, updating the recurrent state in place.
 
@@ -550,6 +564,9 @@ def gated_delta_rule_step(
             writer is this kernel one token earlier, in the step before; between two steps the generate loop runs
             torch kernels, launched without PDL, which start only once all earlier work is done. Not for two calls
             in a row on one state: the second would read the state before the first has written it.
+        live: optional [1] int64 on q's device, read on the device: only rows 0..live-1 run; the others get zeros
+            out and their state is neither read nor written (``generate_batch``'s free rows in a row bucket's step:
+            each reads and writes 2 MB of state a layer at 4B). None: every row.
 
     Returns:
         o [B, HV, V] in q's dtype (`out` when given, else a new contiguous tensor).
@@ -570,6 +587,9 @@ def gated_delta_rule_step(
                              f"{tuple(out.shape)} {out.dtype}.")
         _check_last_dim_contiguous("out", out)
         tensors["out"] = out
+    if live is not None:
+        _check_live(live)
+        tensors["live"] = live
     _check_same_device(**tensors)
     scale = K**-0.5 if scale is None else float(scale)
 
@@ -588,6 +608,7 @@ def gated_delta_rule_step(
                 dt_bias,
                 state,
                 out,
+                live if live is not None else out,
                 q.stride(0),
                 q.stride(1),
                 k.stride(0),
@@ -611,6 +632,7 @@ def gated_delta_rule_step(
                 BLOCK_K=BLOCK_K,
                 BLOCK_V=BLOCK_V,
                 PREFETCH_STATE=bool(prefetch_state),
+                HAS_LIVE=live is not None,
                 # about 32 state values per thread: 4 warps for the real [128, 32] tile
                 num_warps=max(1, min(8, BLOCK_K * BLOCK_V // (32 * 32))),
                 PDL=pdl,
@@ -632,9 +654,18 @@ def gated_delta_rule_step_ref(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     prefetch_state: bool = False,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch `gated_delta_rule_step` (state updated in place, `out` written and returned when given), rounding
-    as stock does. `prefetch_state` is taken and ignored: it orders a kernel's loads, and there is no kernel here."""
+    as stock does. `prefetch_state` is taken and ignored: it orders a kernel's loads, and there is no kernel here.
+    With `live`, the rows from `live` on get zeros and keep their state (a device mask: no host read)."""
+    if live is not None:
+        keep = torch.arange(q.shape[0], device=q.device) < live.to(q.device)  # [B]
+        before = state.clone()
+        o = gated_delta_rule_step_ref(q, k, v, a, b, A_log, dt_bias, state, scale)
+        state.copy_(torch.where(keep[:, None, None, None], state, before))
+        o = torch.where(keep[:, None, None], o, torch.zeros_like(o))
+        return o if out is None else out.copy_(o)
     group = v.shape[1] // q.shape[1]
     beta = b.sigmoid().float()[..., None]  # [B, HV, 1], rounded to b's dtype first as stock
     g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())  # [B, HV]

@@ -258,6 +258,9 @@ def time_decode_steps(model, context: int, copy_rate: float | None, repeats: int
             continue
         slot = min(context, buffers.max_len - repeats - 1)
         view.key_valid[:, :slot] = True
+        if view.row_start is not None:  # every row live, reading from key 0 (the run left them all free)
+            view.row_start.zero_()
+        buffers.set_live(rows)
         times = []
         for _ in range(repeats):
             view.slot.fill_(slot)

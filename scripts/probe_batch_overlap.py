@@ -12,8 +12,8 @@ decode step at that row bucket and the prompt graph of that length bucket; then,
 - ``overlap``: the steps on the current stream, the prompts on a second one, both queued before either ends, total
   ms (from the first launch to both streams' end), with the decode stream at normal and at high priority.
 
-``saved`` = 1 - overlap / serial: the share of the serial time two streams take off. The step's context is the
-slot the warm-up left (a few hundred keys); the state the replays write is discarded.
+``saved`` = 1 - overlap / serial: the share of the serial time two streams take off. The step runs every row live
+over the keys up to the slot the warm-up left (about the prompt length); the state the replays write is discarded.
 """
 
 import argparse
@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> dict:
     layer_types = text.config.layer_types[: text.config.num_hidden_layers]
     ids = torch.tensor(prompts[0], device=dev)[None]
     slot = int(view.slot.item())
+    view.key_valid[:, : slot + 1] = True  # every row live over the whole span (the calls left them all free)
+    if view.row_start is not None:
+        view.row_start.zero_()
+    buffers.set_live(args.rows)
 
     def step():
         view.slot.fill_(slot)

@@ -199,6 +199,43 @@ def test_the_live_span_moves_left_when_the_cache_fills(monkeypatch, shifts):
         assert got.generated_tokens == _reference(fused, prompt, n), rid
 
 
+@pytest.mark.parametrize("chunk", [None, 33])
+@cpu_emulated
+def test_each_step_reads_the_live_rows_own_windows(monkeypatch, shifts, chunk):
+    """Before every step: each live row's ``row_start`` is its window's first valid key, every free row's is the cache
+    length (its attention reads nothing), and ``live`` counts the live rows (the DeltaNet step skips the others),
+    through joins, span moves both ways, row moves, EOS and cancels; with whole and chunked prompts."""
+    monkeypatch.setattr(batch_state, "SHIFT_CHUNK", 3)
+    _, fused = stock_and_fused_lm(seed=1, **SPREAD)
+    checked = []
+    decode = batch_mod.BatchEngine._decode
+
+    def checking(self):
+        self._make_room()
+        st, n = self.buffers.state, len(self.live)
+        starts = st.row_start.tolist()
+        for r in range(st.batch):
+            if r < n:
+                first = int(st.key_valid[r].long().argmax())
+                assert st.key_valid[r, first] and starts[r] == first == self.live[r].start, (r, starts[r], first)
+            else:
+                assert starts[r] == st.max_len, (r, starts[r])
+        decode(self)
+        assert int(st.live) == n
+        checked.append(n)
+
+    monkeypatch.setattr(batch_mod.BatchEngine, "_decode", checking)
+    lengths, new = (20, 9, 40, 4, 15, 3), [30, 40, 20, 44, 30, 7]
+    prompts = _prompts(lengths, seed=4)
+    cb = _cb_config(max_requests_per_batch=3, num_blocks=2, page_size=64)
+    out = fused.generate_batch(prompts, generation_config=_greedy(eos_token_id=[17, 255]), max_new_tokens=new,
+                               continuous_batching_config=cb, prefill_chunk=chunk)
+    assert any(d < 0 for d in shifts) and any(d > 0 for d in shifts)
+    assert {1, 2, 3} <= set(checked)
+    for (rid, got), prompt, n in zip(out.items(), prompts, new):
+        assert got.generated_tokens == _reference(fused, prompt, n, eos_token_id=[17, 255]), rid
+
+
 CHUNK_LENGTHS = (5, 1, 17, 130, 9, 70, 3, 200)  # 130, 200: longer than every chunk below, prefilled in pieces
 CHUNK_NEW = (6, 3, 12, 9, 1, 8, 20, 5)
 

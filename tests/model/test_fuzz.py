@@ -153,6 +153,22 @@ def test_the_cpu_emulation_agrees_with_the_gpu():
     assert out["cases"] == 12 and not out["differing"], out["differing"]
 
 
+def test_a_router_tie_is_the_dtype_floor_or_what_stocks_own_noise_can_swap():
+    """A token is at a tie in some layer where the answer's gap between its k-th and (k+1)-th expert is below the
+    floor, or below ROUTER_NOISE_FACTOR (4) x stock's largest deviation from the answer's probabilities there."""
+    B, T, E = 1, 4, 3
+    gaps = [torch.tensor([[1e-5, 5e-3, 5e-3, 5e-3]], dtype=torch.float64),
+            torch.tensor([[1.0, 1.0, 3.5e-4, 3.5e-4]], dtype=torch.float64)]
+    answer = [torch.full((B * T, E), 1 / 3, dtype=torch.float64) for _ in gaps]
+    stock = [a.clone() for a in answer]
+    stock[1][2, 0] += 1.1e-4  # 4 x 1.1e-4 > 3.5e-4: token 2 is at a tie in layer 1
+    stock[1][3, 0] += 0.8e-4  # 4 x 0.8e-4 < 3.5e-4: token 3 is not
+    ties = fuzz.router_ties(gaps, stock, answer, floor=3e-4)
+    assert ties.tolist() == [[True, False, True, False]]
+    assert fuzz.router_ties(gaps, [], [], floor=3e-4).tolist() == [[True, False, False, False]]  # the floor alone
+    assert fuzz.router_ties([torch.zeros(2), torch.zeros(3)], stock, answer, floor=3e-4) is None
+
+
 def test_fp32_beyond_the_bound_is_judged_against_stocks_own_error():
     """fp32 past FP32_BOUND (an ill-conditioned case) passes only when the fused error from the float64 answer is
     at most FP32_FACTOR x stock's own, and a token at a router tie is left out of the comparison."""

@@ -92,6 +92,58 @@ def test_decode_attention_ignores_keys_after_slot():
     assert_close("y", got, short, BOUND[torch.float32])
 
 
+def windows(device, dtype, B, L, slot, seed=0):
+    """``generate_batch``'s layout: row b's keys valid on its own window [start_b, slot], stale NaN keys / values
+    everywhere else before the slot (a free row's steps wrote them), the last row free (start L, nothing valid);
+    row 1 starts at a key block's first key, and the whole blocks before it are still marked valid and hold large
+    finite values (only ``start`` keeps them out: the kernel's contract is that no key before ``start`` is valid, and
+    it skips the whole blocks before it)."""
+    q, keys, values, valid, slot_t, gate, scale = inputs(device, dtype, B, 4, 2, 16, L, slot, seed=seed, pad=False)
+    g = torch.Generator().manual_seed(seed + 1)
+    start = torch.randint(0, slot + 1, (B,), generator=g)
+    block = fused_ops_attention._DA_BLOCK_L
+    assert slot >= block
+    start[0], start[1] = 0, slot // block * block
+    start[-1] = L
+    valid[:] = False
+    for b in range(B):
+        valid[b, start[b] : slot + 1] = True
+        keys[b, :, : min(start[b], slot + 1)] = float("nan")
+        values[b, :, : min(start[b], slot + 1)] = float("nan")
+    valid[1, : start[1]] = True
+    keys[1, :, : start[1]] = values[1, :, : start[1]] = 1e2
+    return q, keys, values, valid, slot_t, gate, scale, start.to(device)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("L, slot", [(40, 39), (300, 200)], ids=["one-split", "round-robin"])
+def test_decode_attention_reads_each_row_from_its_start(dtype, L, slot, monkeypatch):
+    """With ``start`` each row reads its own window only: the NaN keys / values before it (inside its first key block
+    too) never reach the output, a row without a valid key (a free row) gives zeros, and the other rows equal the
+    reference over their window; also with fewer splits than key blocks (each split starts at the row's first
+    block). Without ``start`` the valid mask alone keeps the stale values out (invalid values load as zeros)."""
+    monkeypatch.setattr(fused_ops_attention, "_DA_MAX_SPLITS", 2)
+    q, keys, values, valid, slot_t, gate, scale, start = windows("cpu", dtype, 4, L, slot)
+    got = fused_ops.decode_attention(q, keys, values, valid, slot_t, gate, scale, start=start)
+    want = fused_ops.decode_attention_ref(q, keys.nan_to_num(), values.nan_to_num(), valid, slot_t, gate, scale,
+                                         start=start)
+    assert torch.isfinite(got).all()
+    assert (got[-1] == 0).all()
+    assert_close("y", got[:-1], want[:-1], BOUND[dtype])
+    valid[1, : start[1]] = False
+    unstarted = fused_ops.decode_attention(q, keys, values, valid, slot_t, gate, scale)
+    assert_close("y without start", unstarted[:-1], want[:-1], BOUND[dtype])
+    assert (unstarted[-1] == 0).all()
+
+
+def test_decode_attention_rejects_a_bad_start():
+    q, keys, values, valid, slot, gate, scale = inputs("cpu", torch.float32, 2, 4, 2, 16, 8, 5)
+    if fused_ops.HAS_TRITON:
+        with pytest.raises(ValueError, match="start must be"):
+            fused_ops.decode_attention(q, keys, values, valid, slot, gate, scale, start=torch.zeros(3, dtype=torch.long))
+
+
 @needs_interpreter
 def test_decode_attention_strided_q_and_gate():
     """q and gate as the decode step hands them over: views into attn_prep's outputs (row strides wider)."""
@@ -128,11 +180,12 @@ def test_decode_attention_rejects_bad_inputs(case):
 
 
 _SM90_CALLS = r"""
-for dt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
+for (dt, prec), start in ((("bf16", "tf32"), False), (("fp32", "ieee"), False), (("bf16", "tf32"), True)):
     compile_(fused_ops_attention._decode_attention_split_kernel,
-             dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", valid_ptr="*i1", slot_ptr="*i64", m_ptr="*fp32",
-                  l_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
-             dict(H=16, KV=4, D=256, BLOCK_G=16, BLOCK_D=256, BLOCK_L=32, DOT_PRECISION=prec, UPCAST=False),
+             dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", valid_ptr="*i1", slot_ptr="*i64", start_ptr="*i64",
+                  m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
+             dict(H=16, KV=4, D=256, BLOCK_G=16, BLOCK_D=256, BLOCK_L=32, DOT_PRECISION=prec, UPCAST=False,
+                  HAS_START=start),
              4)
     compile_(fused_ops_attention._decode_attention_merge_kernel,
              dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", gate_ptr=f"*{dt}", y_ptr=f"*{dt}"),
@@ -141,7 +194,7 @@ for dt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
 
 
 def test_decode_attention_compiles_for_sm90():
-    assert compile_for_sm90(_SM90_CALLS) == 4
+    assert compile_for_sm90(_SM90_CALLS) == 6  # the split kernel with and without start, bf16 and fp32
 
 
 def test_split_counts():
@@ -177,6 +230,18 @@ def test_a_longer_cache_or_another_batch_compiles_nothing_new():
         for B, L, slot in ((1, 4096, 3000), (3, 9000, 8999), (2, 20000, 17000)):
             check("cuda", torch.bfloat16, B, 16, 4, 256, L, slot)
     assert compiles.ours == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("L, slot", [(256, 200), (4096, 3000)], ids=["L256", "L4096"])
+def test_decode_attention_reads_each_row_from_its_start_cuda(dtype, L, slot):
+    q, keys, values, valid, slot_t, gate, scale, start = windows("cuda", dtype, 5, L, slot)
+    got = fused_ops.decode_attention(q, keys, values, valid, slot_t, gate, scale, start=start)
+    want = fused_ops.decode_attention_ref(q, keys.nan_to_num(), values.nan_to_num(), valid, slot_t, gate, scale,
+                                         start=start)
+    assert torch.isfinite(got).all() and (got[-1] == 0).all()
+    assert_close("y", got[:-1], want[:-1], BOUND[dtype])
 
 
 @pytest.mark.cuda

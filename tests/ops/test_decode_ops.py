@@ -382,6 +382,40 @@ def test_gated_delta_rule_step_cpu(dtype, B, H, HV, K, V):
     check_gdr_step("cpu", dtype, B, H, HV, K, V)
 
 
+def check_gdr_step_live(device, dtype, B, live, prefetch=False):
+    """``live``: rows 0..live-1 step as without it; the rest get zeros and keep their state bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    H, HV, K, V = 1, 2, 32, 32
+    A_log, dt_bias = gdr_params(device, dtype, HV, gen)
+    state = (torch.randn(B, HV, K, V, generator=gen) * 0.1).to(device)
+    before, state_ref = state.clone(), state.clone()
+    q, k, v, a, b = gdr_inputs(device, dtype, B, H, HV, K, V, gen)
+    n = torch.tensor([live], device=device)
+    o = fused_ops.gated_delta_rule_step(q, k, v, a, b, A_log, dt_bias, state, prefetch_state=prefetch, live=n)
+    o_ref = fused_ops.gated_delta_rule_step_ref(q, k, v, a, b, A_log, dt_bias, state_ref)
+    assert_close("live rows' output", o[:live], o_ref[:live], BOUND)
+    assert_close("live rows' state", state[:live], state_ref[:live], BOUND)
+    assert (o[live:] == 0).all(), "a row past live was not zeroed"
+    assert torch.equal(state[live:], before[live:]), "a row past live had its state written"
+    o_emulated = fused_ops.gated_delta_rule_step_ref(q, k, v, a, b, A_log, dt_bias, before, live=n)
+    assert_close("the reference with live", o_emulated, o, BOUND)
+    assert torch.equal(before[live:], state[live:])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("live", [0, 2, 4])
+def test_gated_delta_rule_step_live_rows_cpu(dtype, live):
+    check_gdr_step_live("cpu", dtype, 4, live)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gated_delta_rule_step_live_rows_cuda(dtype, prefetch):
+    check_gdr_step_live("cuda", dtype, 8, 3, prefetch=prefetch)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
@@ -772,15 +806,17 @@ _SM90_CALLS = r"""
 compile_(fused_ops_deltanet._causal_conv1d_step_kernel,
          dict(x_ptr="*bf16", s_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", y_ptr="*bf16"),
          dict(W=4, HAS_BIAS=False, BLOCK_D=256, BLOCK_W=4), 4)
-for prefetch in (False, True):
+for prefetch, live in ((False, False), (True, False), (False, True), (True, True)):
     kernel = compile_(fused_ops_deltanet._gated_delta_rule_step_kernel,
                       dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16",
-                           A_log_ptr="*fp32", dt_bias_ptr="*fp32", s_ptr="*fp32", o_ptr="*bf16", scale="fp32",
-                           eps="fp32"),
-                      dict(GROUP=2, K=128, V=128, BLOCK_K=128, BLOCK_V=32, PREFETCH_STATE=prefetch, ON_GPU=True), 4)
+                           A_log_ptr="*fp32", dt_bias_ptr="*fp32", s_ptr="*fp32", o_ptr="*bf16", live_ptr="*i64",
+                           scale="fp32", eps="fp32"),
+                      dict(GROUP=2, K=128, V=128, BLOCK_K=128, BLOCK_V=32, PREFETCH_STATE=prefetch, HAS_LIVE=live,
+                           ON_GPU=True), 4)
     ptx = kernel.asm["ptx"]
-    # with prefetch_state the state's loads come before the wait, else every load after it
-    if fused_ops_runtime._HAS_GDC:
+    # with prefetch_state the state's loads come before the wait, else every load after it (with `live`, its own
+    # load comes first either way)
+    if fused_ops_runtime._HAS_GDC and not live:
         first_load, wait = ptx.index("ld.global"), ptx.index("griddepcontrol.wait")
         assert (first_load < wait) == prefetch, ("prefetch_state", prefetch, first_load, wait)
 kernel = compile_(fused_ops_attention._mrope_step_kernel,
@@ -872,7 +908,8 @@ def test_kernels_compile_for_sm90():
     """The real-shape variants of this file's kernels compile for sm_90 (each GEMV config, and two more unrolled; each
     skinny GEMM config at both row tiles; the GPU tests run every config with every epilogue); `mrope_step`'s cos /
     sin are not the approximate instructions."""
-    assert compile_for_sm90(_SM90_CALLS) == (4 + len(fused_ops_gemv._GEMV_CONFIGS) + 2
+    # the conv step, the rule step 4 ways (prefetch x live), mrope_step
+    assert compile_for_sm90(_SM90_CALLS) == (6 + len(fused_ops_gemv._GEMV_CONFIGS) + 2
                                             + 2 * len(fused_ops_gemv._SKINNY_CONFIGS))
 
 
