@@ -10,8 +10,8 @@ validates its inputs, with a plain-torch `name_ref()` beside it taking the same 
 - `fused_ops_norm`: `rms_norm` (optionally with the residual add), `swiglu`, `gated_rms_norm`.
 - `fused_ops_attention`: `attn_prep`, `sigmoid_gate_mul`, `decode_attention`, `mrope_step`.
 - `fused_ops_deltanet`: `causal_conv1d_step`, `gated_delta_rule_step`, their few-token forms `causal_conv1d_steps`
-  and `gated_delta_rule_steps` (the state after each token kept), `deltanet_prep`, `gated_delta_rule_prefill` (with
-  `prefill_rule_kernel`).
+  and `gated_delta_rule_steps` (the state after each token kept).
+- `fused_ops_deltanet_prefill`: `deltanet_prep`, `gated_delta_rule_prefill` (with `prefill_rule_kernel`).
 - `fused_ops_gemv`: `gemv`, `skinny_gemm`, `small_linear` (with `small_linear_choices`, `gemv_late_signal_min_elems`).
 - `fused_ops_moe`: `moe_route`, `moe_experts` (Qwen3.5-MoE's sparse block; its prefill grouped GEMMs in
   `fused_ops_moe_gemm`).
@@ -40,14 +40,16 @@ from .fused_ops_deltanet import (
     causal_conv1d_step_ref,
     causal_conv1d_steps,
     causal_conv1d_steps_ref,
-    deltanet_prep,
-    deltanet_prep_ref,
-    gated_delta_rule_prefill,
-    gated_delta_rule_prefill_ref,
     gated_delta_rule_step,
     gated_delta_rule_step_ref,
     gated_delta_rule_steps,
     gated_delta_rule_steps_ref,
+)
+from .fused_ops_deltanet_prefill import (
+    deltanet_prep,
+    deltanet_prep_ref,
+    gated_delta_rule_prefill,
+    gated_delta_rule_prefill_ref,
     prefill_rule_kernel,
 )
 from .fused_ops_gemv import (

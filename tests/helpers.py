@@ -128,8 +128,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from scripts.common import import_module
-fused_ops_runtime, fused_ops_norm, fused_ops_attention, fused_ops_deltanet, fused_ops_gemv = (
-    import_module(f"fused_ops_{name}") for name in ("runtime", "norm", "attention", "deltanet", "gemv"))
+(fused_ops_runtime, fused_ops_norm, fused_ops_attention, fused_ops_deltanet, fused_ops_deltanet_prefill,
+ fused_ops_gemv) = (import_module(f"fused_ops_{name}")
+                    for name in ("runtime", "norm", "attention", "deltanet", "deltanet_prefill", "gemv"))
 
 def compile_(fn, types, constexprs, num_warps, num_stages=None):
     # kernels with a PDL switch compile as the H200 launches them: with programmatic dependent launch

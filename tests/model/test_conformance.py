@@ -4,6 +4,7 @@ defaults (CPU)."""
 import contextlib
 import json
 import logging
+import sys
 import threading
 
 import pytest
@@ -170,9 +171,12 @@ def test_threads_share_one_model(monkeypatch, emulated):
 
 def _pipeline_warnings(caplog, tok, context=contextlib.nullcontext, **load_kw):
     """The warnings (messages) that loading the repo and one `pipeline("text-generation")` call log, with
-    transformers' once-only warnings re-armed and its logs propagated to pytest's handler (off by default, so
+    transformers' once-only warnings and the fused code's announcements re-armed and its logs propagated to pytest's handler (off by default, so
     without this the test would see nothing when run alone)."""
     logging.Logger.warning_once.cache_clear()
+    for name, module in list(sys.modules.items()):  # our once-only lines too, in every copy of the code (remote too)
+        if name.endswith(".fused_plan") and hasattr(module, "_announced"):
+            module._announced.clear()
     root = logging.getLogger("transformers")
     propagated, root.propagate = root.propagate, True
     try:

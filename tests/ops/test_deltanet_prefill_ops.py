@@ -248,7 +248,7 @@ _SM90_CALLS = r"""
 ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", b_ptr="*bf16", a_ptr="*bf16", A_log_ptr="*fp32",
             dt_bias_ptr="*fp32", y_ptr="*bf16", beta_ptr="*fp32", g_ptr="*fp32", eps="fp32")
 for block_t in (16, 64):
-    compile_(fused_ops_deltanet._deltanet_prep_kernel, ptrs,
+    compile_(fused_ops_deltanet_prefill._deltanet_prep_kernel, ptrs,
              dict(HK=16, DK=128, HV=32, DV=128, W=4, HAS_BIAS=False, BLOCK_T=block_t, BLOCK_D=128, BLOCK_HV=32,
                   ON_GPU=True), 8)
 compile_(fused_ops_norm._gated_rms_norm_kernel,
