@@ -27,7 +27,7 @@ graphs = import_module("fused_graphs")
 decode = import_module("fused_decode")
 runner_mod = import_module("fused_runner")
 OPS_MODULES = [import_module(f"fused_ops_{name}")
-               for name in ("norm", "attention", "deltanet", "gemv", "moe", "moe_gemm")]
+               for name in ("norm", "attention", "deltanet", "deltanet_prefill", "gemv", "moe", "moe_gemm")]
 generate_mod = import_module("fused_generate")
 REPO = Path(__file__).resolve().parents[1]
 
