@@ -455,6 +455,11 @@ _DA_MIN_SPLIT = 64  # a cache of L keys takes at most L / _DA_MIN_SPLIT splits (
 _DA_PROGRAMS = 256  # split programs aimed at in all (B x KV x splits): about two per SM of an H200 (132 SMs)
 _DA_FEWEST_SPLITS = 32  # a long cache takes at least this many splits per row and KV head, however many rows
 _DA_MAX_SPLITS = 128  # and at most this many (the merge kernel's tile)
+# Value loads masked by the valid keys: a stale NaN at an invalid position would otherwise reach the output as
+# 0 x NaN. Defensive (the rows `generate_batch` frees write only finite values), and it adds one-byte loads of the
+# valid marks to the sm_90 code (26 load instructions against 2; bf16, head dim 256): kept until an A/B at many rows
+# and long contexts decides (`scripts/ab_decode.py --variant nomask:fused_ops_attention._DA_MASK_VALUES=False`).
+_DA_MASK_VALUES = True
 # The running max of a split that has seen no valid key is -1e30 (written inline in the kernels), not -inf: finite,
 # so its weight exp(-1e30 - m) in the merge is 0 rather than NaN.
 
@@ -467,7 +472,7 @@ if HAS_TRITON:
         stride_valid_b, L, S, scale,
         H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_START: tl.constexpr,
-        PDL: tl.constexpr,
+        MASK_VALUES: tl.constexpr, PDL: tl.constexpr,
     ):
         _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
         # program (row b, KV head, split s): query heads [kv * G, (kv + 1) * G) against key blocks s, s + S, ...
@@ -508,8 +513,10 @@ if HAS_TRITON:
             alpha = tl.exp(b_m - m_new)
             b_p = tl.exp(b_s - m_new[:, None])
             b_l = b_l * alpha + tl.sum(b_p, axis=1)
-            # invalid positions load as zeros: their weight is 0, and 0 x a stale NaN there would still be NaN
-            b_v = tl.load(p_v + o_l[:, None] * stride_v_l + o_d[None, :], mask=m_kv & ok[:, None], other=0.0)
+            if MASK_VALUES:  # invalid positions load as zeros: their weight is 0, but 0 x a stale NaN is NaN
+                b_v = tl.load(p_v + o_l[:, None] * stride_v_l + o_d[None, :], mask=m_kv & ok[:, None], other=0.0)
+            else:
+                b_v = tl.load(p_v + o_l[:, None] * stride_v_l + o_d[None, :], mask=m_kv, other=0.0)  # [BL, BD]
             # p rounded to the cache dtype for the second dot, as flash attention kernels round it
             v_dt = b_v.dtype
             b_p = _round_to(b_p, v_dt)
@@ -640,7 +647,8 @@ def decode_attention(
             values.stride(0), values.stride(1), values.stride(2), valid.stride(0), L, S, float(scale),
             H=H, KV=KV, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // KV)), BLOCK_D=BLOCK_D, BLOCK_L=_DA_BLOCK_L,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST=q.device.type == "cpu", HAS_START=start is not None, num_warps=4, PDL=pdl, **_pdl_launch(pdl),
+            UPCAST=q.device.type == "cpu", HAS_START=start is not None, MASK_VALUES=_DA_MASK_VALUES, num_warps=4,
+            PDL=pdl, **_pdl_launch(pdl),
         )
         _decode_attention_merge_kernel[(B * H,)](
             m, l, acc, gate, y, S, gate.stride(0),

@@ -137,6 +137,18 @@ def test_decode_attention_reads_each_row_from_its_start(dtype, L, slot, monkeypa
     assert (unstarted[-1] == 0).all()
 
 
+@needs_interpreter
+def test_decode_attention_without_the_value_mask_over_finite_stale_values(monkeypatch):
+    """``_DA_MASK_VALUES`` off (the A/B's other arm): stale finite values at invalid positions still weigh nothing."""
+    monkeypatch.setattr(fused_ops_attention, "_DA_MASK_VALUES", False)
+    q, keys, values, valid, slot_t, gate, scale, start = windows("cpu", torch.float32, 4, 40, 39)
+    keys, values = keys.nan_to_num(nan=3.0), values.nan_to_num(nan=3.0)
+    got = fused_ops.decode_attention(q, keys, values, valid, slot_t, gate, scale, start=start)
+    want = fused_ops.decode_attention_ref(q, keys, values, valid, slot_t, gate, scale, start=start)
+    assert (got[-1] == 0).all()
+    assert_close("y", got[:-1], want[:-1], BOUND[torch.float32])
+
+
 def test_decode_attention_rejects_a_bad_start():
     q, keys, values, valid, slot, gate, scale = inputs("cpu", torch.float32, 2, 4, 2, 16, 8, 5)
     if fused_ops.HAS_TRITON:
@@ -185,7 +197,7 @@ for (dt, prec), start in ((("bf16", "tf32"), False), (("fp32", "ieee"), False), 
              dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", valid_ptr="*i1", slot_ptr="*i64", start_ptr="*i64",
                   m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
              dict(H=16, KV=4, D=256, BLOCK_G=16, BLOCK_D=256, BLOCK_L=32, DOT_PRECISION=prec, UPCAST=False,
-                  HAS_START=start),
+                  HAS_START=start, MASK_VALUES=fused_ops_attention._DA_MASK_VALUES),
              4)
     compile_(fused_ops_attention._decode_attention_merge_kernel,
              dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", gate_ptr=f"*{dt}", y_ptr=f"*{dt}"),
