@@ -14,9 +14,9 @@ prompt's keys / values at [S - P, S), ``key_valid`` True there only, its conv an
 and its positions at P. The keys are stored rotated at each request's own positions and the masks are per row, so
 where a window sits in the cache does not change what the row computes. The live windows together span [lo, S), lo
 the oldest live request's first index; the scheduler moves that span as a whole (:meth:`BatchState.shift`): left by
-lo when the slot reaches the end of the cache (or the dead prefix [0, lo) that every step still reads grows large),
-right when a request joins whose prompt is longer than S. A free row is not read: its outputs are ignored and its
-row is overwritten when a request takes it.
+lo when the slot reaches the end of the cache (or the dead prefix [0, lo) grows large: every row reads it on a model
+split over devices, below), right when a request joins whose prompt is longer than S. A free row is not read: its
+outputs are ignored and its row is overwritten when a request takes it.
 
 What a step reads. Each row's attention reads its own window, from its first key (``row_start``, kept here with every
 row operation) to the slot, not the whole span [0, S) the windows share; a free row's start is L, so it reads no key.
