@@ -313,7 +313,7 @@ class DecodeState:
             m.dt_bias,
             self.recurrent[i],
             prefetch_state=prefetch_state,
-            **({} if self.live is None else {"live": self.live}),
+            live=self.live,
         )  # [B, HV, Dv]; the state is updated in place
         return self.ops.gated_rms_norm(core, z, m.norm.weight, m.norm.variance_epsilon)  # [B, value_dim]
 
@@ -336,7 +336,7 @@ class DecodeState:
         # The H query heads of one token attend over the keys written so far (0..slot) that are not padding
         # (`valid`, [B, L]), then the output gate: two launches.
         return self.ops.decode_attention(q.reshape(B, H, D), keys, values, valid, slot, gate.view(B, H * D),
-                                         m.scaling, **({} if self.row_start is None else {"start": self.row_start}))
+                                         m.scaling, start=self.row_start)
 
     def _mlp_step(self, mlp, x):
         if hasattr(mlp, "decode_step"):  # the MoE models' sparse block (``fused_moe``)

@@ -204,7 +204,7 @@ def test_the_live_span_moves_left_when_the_cache_fills(monkeypatch, shifts):
 def test_each_step_reads_the_live_rows_own_windows(monkeypatch, shifts, chunk):
     """Before every step: each live row's ``row_start`` is its window's first valid key, every free row's is the cache
     length (its attention reads nothing), and ``live`` counts the live rows (the DeltaNet step skips the others),
-    through joins, span moves both ways, row moves, EOS and cancels; with whole and chunked prompts."""
+    through joins, span moves both ways, row moves and EOS; with whole and chunked prompts."""
     monkeypatch.setattr(batch_state, "SHIFT_CHUNK", 3)
     _, fused = stock_and_fused_lm(seed=1, **SPREAD)
     checked = []
