@@ -21,14 +21,18 @@ from .fused_plan import announce
 FORWARD_GRAPH_MAX_LEN = 8192
 # A bucket is captured on its second call: a length seen once runs eagerly, at its own length.
 CAPTURE_AFTER = 2
+# Length buckets a power-of-two octave is cut into (their step at least BUCKET_MIN_STEP tokens).
+BUCKET_STEPS = 8
+BUCKET_MIN_STEP = 64
 
 
 def forward_len_bucket(seq_len: int) -> int:
-    """Inputs are padded to this length. Steps of 1/8 of the enclosing power of two (at least 64), so the padding
-    costs at most ~12% of the compute beyond 512 tokens, and a few dozen buckets cover 1..8192."""
-    if seq_len <= 64:
-        return 64
-    step = max(64, (1 << (seq_len - 1).bit_length()) // 8)
+    """Inputs are padded to this length. Steps of 1/``BUCKET_STEPS`` (8) of the enclosing power of two, at least
+    ``BUCKET_MIN_STEP`` (64) tokens, so the padding costs at most ~12% of the compute beyond 512 tokens, and a few
+    dozen buckets cover 1..8192."""
+    if seq_len <= BUCKET_MIN_STEP:
+        return BUCKET_MIN_STEP
+    step = max(BUCKET_MIN_STEP, (1 << (seq_len - 1).bit_length()) // BUCKET_STEPS)
     return -(-seq_len // step) * step
 
 

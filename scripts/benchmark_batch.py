@@ -277,6 +277,47 @@ def time_decode_steps(model, context: int, copy_rate: float | None, repeats: int
     return out
 
 
+def profile_decode_steps(model, context: int, rows_list, repeats: int = 10, top: int = 14) -> dict:
+    """The captured decode step at each of ``rows_list`` (row buckets the run captured) under the torch profiler, every
+    row live over ``context`` keys from key 0 (as ``time_decode_steps``): per kernel its launches and GPU microseconds a
+    step, largest first. With PDL on, a kernel's time includes its wait for the one before (the sum exceeds the
+    step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from scripts.benchmark_latency import kernel_times
+
+    text = model._text_model()
+    buffers = text.runner.batch
+    head = import_module("fused_generate").graph_head(model, text, buffers.state)
+    out = {}
+    for rows in rows_list:
+        view = buffers.views.get(rows)
+        if view is None or not view.graph:
+            log(f"profile steps: no captured step at {rows} rows (captured: {sorted(buffers.views)})")
+            continue
+        slot = min(context, buffers.max_len - repeats - 1)
+        view.key_valid[:, :slot] = True
+        if view.row_start is not None:
+            view.row_start.zero_()
+        buffers.set_live(rows)
+        view.slot.fill_(slot)
+        view.decode(text, True, head)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                view.slot.fill_(slot)
+                view.decode(text, True, head)
+            torch.cuda.synchronize()
+        kernels = sorted(kernel_times(prof).items(), key=lambda kv: -kv[1][1])
+        total = sum(us for _, (_, us) in kernels)
+        out[rows] = {"gpu_us_per_step": total / repeats,
+                     "top": [(name[:100], count / repeats, us / repeats) for name, (count, us) in kernels[:top]]}
+        log(f"profile step rows={rows} context={slot}: {total / repeats / 1e3:.3f} ms of kernel time a step")
+        for name, count, us in out[rows]["top"]:
+            print(f"    {us:9.1f} us  x{count:<5.1f} {name}")
+    return out
+
+
 def to_markdown(r: dict) -> str:
     lines = [f"# generate_batch benchmark: {r['model']} ({r['dtype']}, {r['device']})", "",
              f"{r['requests']} requests, prompts {r['prompt_range'][0]}-{r['prompt_range'][1]} tokens, "
@@ -361,9 +402,19 @@ def run(args) -> dict:
     else:
         stock_s, fused_s = _static_runs(args, results, stock, fused, requests, subset, tokens, sub_tokens, device)
     stock = _free(stock, device)  # generate_batch sizes its buffers from the free memory: stock's is not the user's
-    # each (rows, prefill_chunk) setting in turn, the most rows last: its buffers are the ones the steps are timed on
-    for rows, chunk, ride in settings(args):
+    # each (rows, prefill_chunk) setting in turn, the most rows last: its buffers are the ones the steps are timed on;
+    # with --variant, every setting under each variant's constants in turn (the steps are timed under the shipped ones)
+    variants = parse_variants(args.variant)
+    defaults = {(m, c): getattr(m, c) for _, sets in variants for m, c, _ in sets}
+    for (rows, chunk, ride), (vname, vsets) in ((s, v) for v in variants for s in settings(args)):
         name = f"(3) fused generate_batch, {rows} rows, chunk {chunk}" + (", riding" if ride else "")
+        if len(variants) > 1:
+            name += f" [{vname}]"
+            for (module, const), value in defaults.items():  # each variant starts from the shipped values
+                setattr(module, const, value)
+            for module, const, value in vsets:
+                setattr(module, const, value)
+            fused.set_fused_kernels(False).set_fused_kernels(True)  # new buffers and graphs under these values
         log(name)
         batch_mod.MIXED_ON_GPU = ride  # read once per generate_batch call (BatchEngine.ride)
         # this setting's own first shapes, off the clock (the prompts' graphs stay for the run: kept across sizes)
@@ -387,6 +438,12 @@ def run(args) -> dict:
             results["ratios"][f"{name} / (1) stock static (stock on its subset)"] = (
                 cont_s["tokens_per_s"] / stock_s["tokens_per_s"], ">= 20x at 4B")
         save(args, results)
+    for (module, const), value in defaults.items():
+        setattr(module, const, value)
+    if len(variants) > 1:  # the steps below are timed under the shipped values: their buffers and graphs again
+        fused.set_fused_kernels(False).set_fused_kernels(True)
+        continuous(fused, bucket_warmup(requests, max(args.rows)) if args.warm == "buckets" else warm,
+                   max(args.rows), device, args.prefill_chunk[-1])
     if device.type == "cuda" and blocker is None:
         ceilings = measure_ceilings(device)
         context = round(statistics.fmean(len(p) + n / 2 for p, n in requests))
@@ -394,7 +451,22 @@ def run(args) -> dict:
         with torch.inference_mode():
             steps = time_decode_steps(fused, context, ceilings["copy_bytes_per_s"])
         results["decode_steps"] = {str(rows): s for rows, s in steps.items()}
+        if args.profile_steps:
+            with torch.inference_mode():
+                results["step_profiles"] = {str(r): v for r, v in profile_decode_steps(
+                    fused, context, args.profile_steps).items()}
     return results
+
+
+def parse_variants(specs: list[str] | None) -> list[tuple[str, list]]:
+    """``--variant NAME:MODULE.CONSTANT=VALUE,...`` (as ``scripts/ab_decode.py`` takes them) -> [(name, [(module,
+    constant, value), ...])]; none given: one variant, the shipped values."""
+    if not specs:
+        return [("shipped", [])]
+    from scripts.ab_decode import parse_variant, variant_modules
+
+    modules = variant_modules()
+    return [parse_variant(spec, modules) for spec in specs]
 
 
 def _free(model, device) -> None:
@@ -450,6 +522,13 @@ def main(argv=None):
                         "uses (buckets), or one over its first 4 requests (few: the timed run captures the rest)")
     p.add_argument("--batch-only", action="store_true",
                    help="run (3) only (its ratios then need (1) and (2) from another run of the same workload)")
+    p.add_argument("--variant", action="append", default=None,
+                   help="NAME:MODULE.CONSTANT=VALUE,... as scripts/ab_decode.py takes it, repeatable: every "
+                        "generate_batch setting runs under each variant's constants in turn, the model's graphs and "
+                        "buffers dropped between them; the first is the baseline")
+    p.add_argument("--profile-steps", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                   help="comma list of row buckets whose captured decode step to profile after the runs (GPU): the "
+                        "kernels and their time a step")
     p.add_argument("--out", type=Path, default=Path("out/batch"))
     args = p.parse_args(argv)
     if args.device == "cpu" and args.dtype == "bfloat16":

@@ -249,6 +249,38 @@ def test_benchmark_batch_runs_on_cpu(tmp_path):
     assert json.loads((tmp_path / "batch.json").read_text())["requests"] == 8
 
 
+def test_benchmark_batch_variants_cpu(tmp_path, fused_on_cpu):
+    """--variant: every generate_batch setting under each variant's constants in turn, named by the variant, the
+    shipped values back afterwards; a constant no module has is an error naming it."""
+    from scripts import benchmark_batch
+    from scripts.common import import_module
+
+    state = import_module("fused_batch_state")
+    shipped = state.ROW_BUCKETS
+    seen = []
+    real = state.row_bucket
+
+    def spy(rows, most):
+        seen.append(state.ROW_BUCKETS)
+        return real(rows, most)
+
+    state.row_bucket = spy
+    try:
+        results = benchmark_batch.main([
+            "--device", "cpu", "--tiny", "--requests", "5", "--stock-requests", "2", "--batch", "4", "--rows", "3",
+            "--variant", "base:", "--variant", "fine:fused_batch_state.ROW_BUCKETS=(1, 3)", "--out", str(tmp_path)])
+    finally:
+        state.row_bucket = real
+    assert state.ROW_BUCKETS == shipped and not results["failed"]
+    names = [n for n in results["runs"] if n.startswith("(3)") and "subset" not in n]
+    assert names == ["(3) fused generate_batch, 3 rows, chunk None [base]",
+                     "(3) fused generate_batch, 3 rows, chunk None [fine]"]
+    assert len({results["runs"][n]["tokens"] for n in names}) == 1
+    assert shipped in seen and (1, 3) in seen  # each variant's value reached the scheduler
+    with pytest.raises(ValueError, match="NO_SUCH"):
+        benchmark_batch.parse_variants(["x:fused_batch_state.NO_SUCH=1"])
+
+
 def test_benchmark_batch_on_the_fused_scheduler_cpu(tmp_path, fused_on_cpu):
     """The same at the tiny MoE shape through the fused scheduler (the CPU emulation), two row counts, with and
     without chunked prefill: no request fails, each generates its own count in every setting, latencies come from the
