@@ -22,6 +22,10 @@ from .fused_plan import FusedPlan
 # Cache lengths are rounded up to a power of two (at least this), so generate calls of nearby lengths share buffers
 # and their captured graph. Attention reads only the keys written so far (``decode_attention`` splits over them).
 MIN_DECODE_LEN = 256
+# generate_batch's rows (``track_rows``) hold contiguous windows row_start..slot, and the attention reads each as a
+# range (``decode_attention(contiguous=True)``: no valid mark loaded, values masked by the key index); False: through
+# the valid marks, as generate's rows (the A/B's other arm).
+ROW_WINDOWS = True
 
 
 def decode_len_bucket(needed: int) -> int:
@@ -334,9 +338,11 @@ class DecodeState:
         q, _, _, gate = self.ops.attn_prep(qkv, cos, sin, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps, H, KV, D,
                                   kv_cache=(keys, values, slot))
         # The H query heads of one token attend over the keys written so far (0..slot) that are not padding
-        # (`valid`, [B, L]), then the output gate: two launches.
+        # (`valid`, [B, L]), then the output gate: two launches. generate_batch's rows (``row_start``) hold
+        # contiguous windows row_start..slot: the key index masks them, and `valid` is not read.
         return self.ops.decode_attention(q.reshape(B, H, D), keys, values, valid, slot, gate.view(B, H * D),
-                                         m.scaling, start=self.row_start)
+                                         m.scaling, start=self.row_start,
+                                         contiguous=ROW_WINDOWS and self.row_start is not None)
 
     def _mlp_step(self, mlp, x):
         if hasattr(mlp, "decode_step"):  # the MoE models' sparse block (``fused_moe``)

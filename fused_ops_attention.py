@@ -455,10 +455,10 @@ _DA_MIN_SPLIT = 64  # a cache of L keys takes at most L / _DA_MIN_SPLIT splits (
 _DA_PROGRAMS = 256  # split programs aimed at in all (B x KV x splits): about two per SM of an H200 (132 SMs)
 _DA_FEWEST_SPLITS = 32  # a long cache takes at least this many splits per row and KV head, however many rows
 _DA_MAX_SPLITS = 128  # and at most this many (the merge kernel's tile)
-# Value loads masked by the valid keys: a stale NaN at an invalid position would otherwise reach the output as
-# 0 x NaN. Defensive (the rows `generate_batch` frees write only finite values), and it adds one-byte loads of the
-# valid marks to the sm_90 code (26 load instructions against 2; bf16, head dim 256): kept until an A/B at many rows
-# and long contexts decides (`scripts/ab_decode.py --variant nomask:fused_ops_attention._DA_MASK_VALUES=False`).
+# Value loads masked by the valid marks: a stale NaN at an invalid position would otherwise reach the output as
+# 0 x NaN. It adds one-byte loads of the marks to the sm_90 code (26 load instructions against 2; bf16, head dim
+# 256), and generate_batch's decode steps took 3% longer with it (4B, 256 rows, H100: 13.23 against 12.83 s over one
+# workload); its rows pass `contiguous` instead, where the mask is arithmetic on the key index (no mark is loaded).
 _DA_MASK_VALUES = True
 # The running max of a split that has seen no valid key is -1e30 (written inline in the kernels), not -inf: finite,
 # so its weight exp(-1e30 - m) in the merge is 0 rather than NaN.
@@ -472,7 +472,7 @@ if HAS_TRITON:
         stride_valid_b, L, S, scale,
         H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, HAS_START: tl.constexpr,
-        MASK_VALUES: tl.constexpr, PDL: tl.constexpr,
+        RANGE: tl.constexpr, MASK_VALUES: tl.constexpr, PDL: tl.constexpr,
     ):
         _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
         # program (row b, KV head, split s): query heads [kv * G, (kv + 1) * G) against key blocks s, s + S, ...
@@ -489,9 +489,10 @@ if HAS_TRITON:
                       mask=m_g[:, None] & m_d[None, :], other=0.0)  # [BG, BD]
         n_keys = tl.minimum(tl.load(slot_ptr) + 1, L)
         n_blocks = tl.cdiv(n_keys, BLOCK_L)
-        first = 0  # the first key block the row may hold a valid key in
+        row_first = 0  # the row's first valid key (with RANGE: its keys row_first..slot are exactly the valid ones)
         if HAS_START:
-            first = tl.load(start_ptr + i_b) // BLOCK_L
+            row_first = tl.load(start_ptr + i_b)
+        first = row_first // BLOCK_L  # the first key block the row may hold a valid key in
         b_m = tl.full([BLOCK_G], -1.0e30, tl.float32)
         b_l = tl.zeros([BLOCK_G], tl.float32)
         b_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -500,7 +501,10 @@ if HAS_TRITON:
         for i_blk in range(first + i_s, n_blocks, S):  # S is a run-time value: a longer cache compiles nothing new
             o_l = i_blk * BLOCK_L + tl.arange(0, BLOCK_L)
             m_l = o_l < n_keys
-            ok = tl.load(valid_ptr + i_b * stride_valid_b + o_l, mask=m_l, other=0) != 0
+            if RANGE:
+                ok = m_l & (o_l >= row_first)
+            else:
+                ok = tl.load(valid_ptr + i_b * stride_valid_b + o_l, mask=m_l, other=0) != 0
             m_kv = m_l[:, None] & m_d[None, :]
             b_k = tl.load(p_k + o_l[:, None] * stride_k_l + o_d[None, :], mask=m_kv, other=0.0)  # [BL, BD]
             if UPCAST:  # the interpreter (CPU) mis-multiplies 16-bit dots; fp32 products of 16-bit values are exact
@@ -581,6 +585,7 @@ def decode_attention(
     gate: torch.Tensor,
     scale: float,
     start: torch.Tensor | None = None,
+    contiguous: bool = False,
 ) -> torch.Tensor:
     """Gated attention of one new token per row over a preallocated K/V cache: `o * sigmoid(gate)`, where `o` is
     softmax attention of q over the cache's keys 0..slot that `valid` marks (padding excluded). Two launches.
@@ -596,6 +601,9 @@ def decode_attention(
             (the caller vouches) and not read. `generate_batch` keeps each row's window start there (a row reads
             its own keys, not the whole span of the rows' windows) and L for a free row (it reads nothing). None:
             from 0.
+        contiguous: with `start`, the caller vouches that row b's valid keys are exactly start[b]..slot, and
+            `valid` is not read: the key index alone masks scores and values (`generate_batch`'s rows, whose
+            windows are contiguous; no one-byte mark loads in the key loop).
 
     Returns:
         y [B, H * D] in q's dtype: the attention output rounded to the dtype (as SDPA returns it), times
@@ -628,6 +636,8 @@ def decode_attention(
         _check_last_dim_contiguous(name, t)
     if start is not None and (start.shape != (B,) or start.dtype != torch.long):
         raise ValueError(f"start must be [B] = {(B,)} int64, got {tuple(start.shape)} {start.dtype}.")
+    if contiguous and start is None:
+        raise ValueError("contiguous=True needs start (each row's first valid key): pass start, or contiguous=False.")
     _check_same_device(q=q, keys=keys, values=values, valid=valid, slot=slot, gate=gate,
                        **({} if start is None else {"start": start}))
 
@@ -647,7 +657,8 @@ def decode_attention(
             values.stride(0), values.stride(1), values.stride(2), valid.stride(0), L, S, float(scale),
             H=H, KV=KV, D=D, BLOCK_G=max(16, triton.next_power_of_2(H // KV)), BLOCK_D=BLOCK_D, BLOCK_L=_DA_BLOCK_L,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            UPCAST=q.device.type == "cpu", HAS_START=start is not None, MASK_VALUES=_DA_MASK_VALUES, num_warps=4,
+            UPCAST=q.device.type == "cpu", HAS_START=start is not None, RANGE=contiguous,
+            MASK_VALUES=_DA_MASK_VALUES or contiguous, num_warps=4,
             PDL=pdl, **_pdl_launch(pdl),
         )
         _decode_attention_merge_kernel[(B * H,)](
@@ -658,13 +669,16 @@ def decode_attention(
     return y
 
 
-def decode_attention_ref(q, keys, values, valid, slot, gate, scale, start=None):
-    """Plain-torch `decode_attention`: SDPA with the padding mask (and nothing after `slot`, nor before `start`),
-    then stock's gate; zeros for a row without a valid key."""
+def decode_attention_ref(q, keys, values, valid, slot, gate, scale, start=None, contiguous=False):
+    """Plain-torch `decode_attention`: SDPA with the padding mask (and nothing after `slot`, nor before `start`;
+    with `contiguous`, the window start..slot in place of the mask), then stock's gate; zeros for a row without a
+    valid key."""
     B, H, D = q.shape
     KV, L = keys.shape[1], keys.shape[2]
     at = torch.arange(L, device=valid.device)
-    mask = valid & (at <= slot.to(valid.device))[None, :]  # [B, L]
+    if contiguous and start is None:
+        raise ValueError("contiguous=True needs start (each row's first valid key): pass start, or contiguous=False.")
+    mask = (torch.ones_like(valid) if contiguous else valid) & (at <= slot.to(valid.device))[None, :]  # [B, L]
     if start is not None:
         mask = mask & (at[None, :] >= start.to(valid.device)[:, None])
     o = torch.nn.functional.scaled_dot_product_attention(

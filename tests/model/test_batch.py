@@ -202,7 +202,8 @@ def test_the_live_span_moves_left_when_the_cache_fills(monkeypatch, shifts):
 @pytest.mark.parametrize("chunk", [None, 33])
 @cpu_emulated
 def test_each_step_reads_the_live_rows_own_windows(monkeypatch, shifts, chunk):
-    """Before every step: each live row's ``row_start`` is its window's first valid key, every free row's is the cache
+    """Before every step: each live row's ``row_start`` is its window's first valid key and its valid keys run from
+    there to the slot without a gap (the attention reads the window as a range), every free row's is the cache
     length (its attention reads nothing), and ``live`` counts the live rows (the DeltaNet step skips the others),
     through joins, span moves both ways, row moves and EOS; with whole and chunked prompts."""
     monkeypatch.setattr(batch_state, "SHIFT_CHUNK", 3)
@@ -218,6 +219,8 @@ def test_each_step_reads_the_live_rows_own_windows(monkeypatch, shifts, chunk):
             if r < n:
                 first = int(st.key_valid[r].long().argmax())
                 assert st.key_valid[r, first] and starts[r] == first == self.live[r].start, (r, starts[r], first)
+                # the window is contiguous, start..slot - 1 (the step's attention reads it as a range, not the marks)
+                assert int(st.key_valid[r].sum()) == self.slot - first and st.key_valid[r, self.slot - 1], r
             else:
                 assert starts[r] == st.max_len, (r, starts[r])
         decode(self)

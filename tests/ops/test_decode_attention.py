@@ -149,11 +149,47 @@ def test_decode_attention_without_the_value_mask_over_finite_stale_values(monkey
     assert_close("y", got[:-1], want[:-1], BOUND[torch.float32])
 
 
+def contiguous_windows(device, dtype, B, L, slot):
+    """``windows`` as generate_batch keeps them (row b's valid keys exactly start_b..slot), with ``valid`` scrambled:
+    in ``contiguous`` mode the kernel must not read it. NaN keys / values before each start, inside its first key
+    block too, and stale large values in the whole blocks before row 1's start."""
+    q, keys, values, valid, slot_t, gate, scale, start = windows(device, dtype, B, L, slot)
+    g = torch.Generator().manual_seed(7)
+    scrambled = (torch.rand(valid.shape, generator=g) > 0.5).to(valid.device)
+    want = fused_ops.decode_attention_ref(q, keys.nan_to_num(), values.nan_to_num(), valid, slot_t, gate, scale,
+                                         start=start)
+    return (q, keys, values, scrambled, slot_t, gate, scale, start), want
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("L, slot", [(40, 39), (300, 200)], ids=["one-split", "round-robin"])
+def test_decode_attention_over_contiguous_windows(dtype, L, slot, monkeypatch):
+    """``contiguous``: each row's window start..slot alone decides what it attends to (``valid`` scrambled here is not
+    read), the NaN values before a row's start inside its first key block stay out even with the marks' value mask
+    off (the key index masks them), a free row gives zeros; the reference in the same mode agrees with the masked
+    reference over the real windows."""
+    monkeypatch.setattr(fused_ops_attention, "_DA_MAX_SPLITS", 2)
+    monkeypatch.setattr(fused_ops_attention, "_DA_MASK_VALUES", False)
+    args, want = contiguous_windows("cpu", dtype, 4, L, slot)
+    got = fused_ops.decode_attention(*args, contiguous=True)
+    assert torch.isfinite(got).all() and (got[-1] == 0).all()
+    assert_close("y", got[:-1], want[:-1], BOUND[dtype])
+    q, keys, values, scrambled, slot_t, gate, scale, start = args
+    ref = fused_ops.decode_attention_ref(q, keys.nan_to_num(), values.nan_to_num(), scrambled, slot_t, gate, scale,
+                                        start=start, contiguous=True)
+    assert_close("ref", ref, want, 1e-6)
+
+
 def test_decode_attention_rejects_a_bad_start():
     q, keys, values, valid, slot, gate, scale = inputs("cpu", torch.float32, 2, 4, 2, 16, 8, 5)
+    with pytest.raises(ValueError, match="contiguous=True needs start"):
+        fused_ops.decode_attention_ref(q, keys, values, valid, slot, gate, scale, contiguous=True)
     if fused_ops.HAS_TRITON:
         with pytest.raises(ValueError, match="start must be"):
             fused_ops.decode_attention(q, keys, values, valid, slot, gate, scale, start=torch.zeros(3, dtype=torch.long))
+        with pytest.raises(ValueError, match="contiguous=True needs start"):
+            fused_ops.decode_attention(q, keys, values, valid, slot, gate, scale, contiguous=True)
 
 
 @needs_interpreter
@@ -192,13 +228,18 @@ def test_decode_attention_rejects_bad_inputs(case):
 
 
 _SM90_CALLS = r"""
-for (dt, prec), start in ((("bf16", "tf32"), False), (("fp32", "ieee"), False), (("bf16", "tf32"), True)):
-    compile_(fused_ops_attention._decode_attention_split_kernel,
+for (dt, prec), start, window in ((("bf16", "tf32"), False, False), (("fp32", "ieee"), False, False),
+                                  (("bf16", "tf32"), True, False), (("bf16", "tf32"), True, True)):
+    split = compile_(fused_ops_attention._decode_attention_split_kernel,
              dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", v_ptr=f"*{dt}", valid_ptr="*i1", slot_ptr="*i64", start_ptr="*i64",
                   m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", scale="fp32"),
              dict(H=16, KV=4, D=256, BLOCK_G=16, BLOCK_D=256, BLOCK_L=32, DOT_PRECISION=prec, UPCAST=False,
-                  HAS_START=start, MASK_VALUES=fused_ops_attention._DA_MASK_VALUES),
+                  HAS_START=start, RANGE=window, MASK_VALUES=fused_ops_attention._DA_MASK_VALUES or window),
              4)
+    if window:  # generate_batch's rows: the key index masks scores and values, no valid mark is loaded
+        import re
+        assert not re.search(r"ld\.global[\w.]*\.[bsu]8\b", split.asm["ptx"]), "one-byte mark loads"
+        print("window ok")
     compile_(fused_ops_attention._decode_attention_merge_kernel,
              dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", gate_ptr=f"*{dt}", y_ptr=f"*{dt}"),
              dict(H=16, D=256, BLOCK_S=128, BLOCK_D=256), 16)
@@ -206,7 +247,9 @@ for (dt, prec), start in ((("bf16", "tf32"), False), (("fp32", "ieee"), False), 
 
 
 def test_decode_attention_compiles_for_sm90():
-    assert compile_for_sm90(_SM90_CALLS) == 6  # the split kernel with and without start, bf16 and fp32
+    # the split kernel without start (bf16, fp32), with start, with a contiguous window (no mark loads): 4 + 4 merges
+    # + the window's check
+    assert compile_for_sm90(_SM90_CALLS) == 9
 
 
 def test_split_counts():
@@ -252,6 +295,16 @@ def test_decode_attention_reads_each_row_from_its_start_cuda(dtype, L, slot):
     got = fused_ops.decode_attention(q, keys, values, valid, slot_t, gate, scale, start=start)
     want = fused_ops.decode_attention_ref(q, keys.nan_to_num(), values.nan_to_num(), valid, slot_t, gate, scale,
                                          start=start)
+    assert torch.isfinite(got).all() and (got[-1] == 0).all()
+    assert_close("y", got[:-1], want[:-1], BOUND[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("L, slot", [(256, 200), (4096, 3000)], ids=["L256", "L4096"])
+def test_decode_attention_over_contiguous_windows_cuda(dtype, L, slot):
+    args, want = contiguous_windows("cuda", dtype, 5, L, slot)
+    got = fused_ops.decode_attention(*args, contiguous=True)
     assert torch.isfinite(got).all() and (got[-1] == 0).all()
     assert_close("y", got[:-1], want[:-1], BOUND[dtype])
 
