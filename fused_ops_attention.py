@@ -455,6 +455,13 @@ _DA_MIN_SPLIT = 64  # a cache of L keys takes at most L / _DA_MIN_SPLIT splits (
 _DA_PROGRAMS = 256  # split programs aimed at in all (B x KV x splits): about two per SM of an H200 (132 SMs)
 _DA_FEWEST_SPLITS = 32  # a long cache takes at least this many splits per row and KV head, however many rows
 _DA_MAX_SPLITS = 128  # and at most this many (the merge kernel's tile)
+# From this many (row, KV head) pairs on (generate_batch's many rows), at least _DA_CROWDED_SPLITS splits a pair in
+# place of _DA_FEWEST_SPLITS: 32 splits of a 1,142-key window leave each program about one block of 32 keys, and its
+# [G, D] fp32 partial (16 KB, written and read back by the merge) is half the K/V bytes it read (4B, 256 rows,
+# H100 profile: split 630 us and merge 175 us a layer against 400 us of K/V at the copy rate). Off (2**30) until an
+# A/B on the GPU sets it.
+_DA_CROWDED_PAIRS = 1 << 30
+_DA_CROWDED_SPLITS = 4
 # Value loads masked by the valid marks: a stale NaN at an invalid position would otherwise reach the output as
 # 0 x NaN. It adds one-byte loads of the marks to the sm_90 code (26 load instructions against 2; bf16, head dim
 # 256), and generate_batch's decode steps took 3% longer with it (4B, 256 rows, H100: 13.23 against 12.83 s over one
@@ -572,7 +579,8 @@ def _decode_attention_splits(L: int, heads: int) -> int:
     H200, bf16, head dim 256, a 32,832-key context in its 65,536-key bucket (docs/DESIGN.md): 4 KV heads at batch 1
     ran 63.5 / 44.1 / 51.2 us at 32 / 64 / 128 splits, 2 KV heads 56.1 / 38.1 / 29.6; 32 KV-head rows (batch 8) ran
     262.5 / 272.4 / 275.3: two programs an SM, and no fewer than 32 splits once the rows fill the card."""
-    want = max(_DA_FEWEST_SPLITS, _DA_PROGRAMS // max(1, heads))
+    fewest = _DA_CROWDED_SPLITS if heads >= _DA_CROWDED_PAIRS else _DA_FEWEST_SPLITS
+    want = max(fewest, _DA_PROGRAMS // max(1, heads))
     return max(1, min(_DA_MAX_SPLITS, want, triton.cdiv(L, _DA_MIN_SPLIT)))
 
 

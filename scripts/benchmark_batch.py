@@ -406,6 +406,12 @@ def run(args) -> dict:
     # with --variant, every setting under each variant's constants in turn (the steps are timed under the shipped ones)
     variants = parse_variants(args.variant)
     defaults = {(m, c): getattr(m, c) for _, sets in variants for m, c, _ in sets}
+    timed_steps = device.type == "cuda" and blocker is None
+    if timed_steps:
+        ceilings = measure_ceilings(device)
+        context = round(statistics.fmean(len(p) + n / 2 for p, n in requests))
+        results["context"], results["copy_bytes_per_s"] = context, ceilings["copy_bytes_per_s"]
+    last = settings(args)[-1]
     for (rows, chunk, ride), (vname, vsets) in ((s, v) for v in variants for s in settings(args)):
         name = f"(3) fused generate_batch, {rows} rows, chunk {chunk}" + (", riding" if ride else "")
         if len(variants) > 1:
@@ -437,20 +443,30 @@ def run(args) -> dict:
                                                                 ">= 3x at 4B")
             results["ratios"][f"{name} / (1) stock static (stock on its subset)"] = (
                 cont_s["tokens_per_s"] / stock_s["tokens_per_s"], ">= 20x at 4B")
+        if timed_steps and len(variants) > 1 and (rows, chunk, ride) == last:  # this variant's steps, its buffers
+            with torch.inference_mode():
+                steps = time_decode_steps(fused, context, ceilings["copy_bytes_per_s"])
+            results.setdefault("decode_steps_by_variant", {})[vname] = {str(r): v for r, v in steps.items()}
+            log(f"[{vname}] captured step ms at {context} keys: "
+                + ", ".join(f"{r} rows {v['step_ms']:.3f}" for r, v in steps.items()))
         save(args, results)
     for (module, const), value in defaults.items():
         setattr(module, const, value)
-    if len(variants) > 1:  # the steps below are timed under the shipped values: their buffers and graphs again
+    # the steps below are timed (and profiled) under the shipped values: on their buffers and graphs again, unless
+    # a variant set nothing and its timing stands (and, to profile, its buffers are the last ones)
+    shipped = next((vname for vname, vsets in variants if not vsets), None)
+    rewarm = len(variants) > 1 and (shipped is None or (args.profile_steps and variants[-1][0] != shipped))
+    if rewarm:
         fused.set_fused_kernels(False).set_fused_kernels(True)
         continuous(fused, bucket_warmup(requests, max(args.rows)) if args.warm == "buckets" else warm,
                    max(args.rows), device, args.prefill_chunk[-1])
-    if device.type == "cuda" and blocker is None:
-        ceilings = measure_ceilings(device)
-        context = round(statistics.fmean(len(p) + n / 2 for p, n in requests))
-        results["context"], results["copy_bytes_per_s"] = context, ceilings["copy_bytes_per_s"]
-        with torch.inference_mode():
-            steps = time_decode_steps(fused, context, ceilings["copy_bytes_per_s"])
-        results["decode_steps"] = {str(rows): s for rows, s in steps.items()}
+    if timed_steps:
+        if len(variants) > 1 and not rewarm:
+            results["decode_steps"] = results["decode_steps_by_variant"][shipped]
+        else:
+            with torch.inference_mode():
+                steps = time_decode_steps(fused, context, ceilings["copy_bytes_per_s"])
+            results["decode_steps"] = {str(rows): s for rows, s in steps.items()}
         if args.profile_steps:
             with torch.inference_mode():
                 results["step_profiles"] = {str(r): v for r, v in profile_decode_steps(
