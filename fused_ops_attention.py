@@ -456,16 +456,17 @@ _DA_PROGRAMS = 256  # split programs aimed at in all (B x KV x splits): about tw
 _DA_FEWEST_SPLITS = 32  # a long cache takes at least this many splits per row and KV head, however many rows
 _DA_MAX_SPLITS = 128  # and at most this many (the merge kernel's tile)
 # From this many (row, KV head) pairs on (generate_batch's many rows), at least _DA_CROWDED_SPLITS splits a pair in
-# place of _DA_FEWEST_SPLITS: 32 splits of a 1,142-key window leave each program about one block of 32 keys, and its
-# [G, D] fp32 partial (16 KB, written and read back by the merge) is half the K/V bytes it read (4B, 256 rows,
-# H100 profile: split 630 us and merge 175 us a layer against 400 us of K/V at the copy rate). Off (2**30) until an
-# A/B on the GPU sets it.
+# place of _DA_FEWEST_SPLITS: 32 splits of a 1,142-key window leave each program about one block of 32 keys, and the
+# [G, D] fp32 partials written and merged back add 268 MB a layer to its 1.2 GB of keys / values (4B, 256 rows, H100
+# profile: split 630 us and merge 175 us a layer against 400 us of K/V at the copy rate). Off (2**30) until an A/B
+# on the GPU sets it.
 _DA_CROWDED_PAIRS = 1 << 30
 _DA_CROWDED_SPLITS = 4
 # Value loads masked by the valid marks: a stale NaN at an invalid position would otherwise reach the output as
 # 0 x NaN. It adds one-byte loads of the marks to the sm_90 code (26 load instructions against 2; bf16, head dim
 # 256), and generate_batch's decode steps took 3% longer with it (4B, 256 rows, H100: 13.23 against 12.83 s over one
-# workload); its rows pass `contiguous` instead, where the mask is arithmetic on the key index (no mark is loaded).
+# workload); `contiguous` (generate_batch's rows, `fused_decode.ROW_WINDOWS`) masks by the key index instead, and
+# loads no mark.
 _DA_MASK_VALUES = True
 # The running max of a split that has seen no valid key is -1e30 (written inline in the kernels), not -inf: finite,
 # so its weight exp(-1e30 - m) in the merge is 0 rather than NaN.

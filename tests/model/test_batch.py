@@ -37,6 +37,7 @@ from scripts.common import import_module
 
 batch_mod = import_module("fused_batch")
 batch_state = import_module("fused_batch_state")
+decode_mod = import_module("fused_decode")
 
 # Weights at 5x the config's default spread: at 0.02 the tiny model's greedy tokens only repeat the prompt's last
 # token, which any row mix-up would reproduce; at 0.1 each token depends on the context.
@@ -199,15 +200,28 @@ def test_the_live_span_moves_left_when_the_cache_fills(monkeypatch, shifts):
         assert got.generated_tokens == _reference(fused, prompt, n), rid
 
 
+@pytest.mark.parametrize("windows", [False, True], ids=["marks", "windows"])
 @pytest.mark.parametrize("chunk", [None, 33])
 @cpu_emulated
-def test_each_step_reads_the_live_rows_own_windows(monkeypatch, shifts, chunk):
+def test_each_step_reads_the_live_rows_own_windows(monkeypatch, shifts, chunk, windows):
     """Before every step: each live row's ``row_start`` is its window's first valid key and its valid keys run from
     there to the slot without a gap (the attention reads the window as a range), every free row's is the cache
     length (its attention reads nothing), and ``live`` counts the live rows (the DeltaNet step skips the others),
-    through joins, span moves both ways, row moves and EOS; with whole and chunked prompts."""
+    through joins, span moves both ways, row moves and EOS; with whole and chunked prompts. The tokens are batch-1
+    generate's with the step's attention through the valid marks and through the windows as ranges
+    (``fused_decode.ROW_WINDOWS``), which the step then asks for on every call."""
     monkeypatch.setattr(batch_state, "SHIFT_CHUNK", 3)
+    monkeypatch.setattr(decode_mod, "ROW_WINDOWS", windows)
     _, fused = stock_and_fused_lm(seed=1, **SPREAD)
+    asked = set()
+    ops = fused._text_model().plan.ops
+    attention = ops.decode_attention
+
+    def spying(*args, contiguous=False, **kwargs):
+        asked.add(contiguous)
+        return attention(*args, contiguous=contiguous, **kwargs)
+
+    monkeypatch.setattr(ops, "decode_attention", spying)
     checked = []
     decode = batch_mod.BatchEngine._decode
 
@@ -235,6 +249,7 @@ def test_each_step_reads_the_live_rows_own_windows(monkeypatch, shifts, chunk):
                                continuous_batching_config=cb, prefill_chunk=chunk)
     assert any(d < 0 for d in shifts) and any(d > 0 for d in shifts)
     assert {1, 2, 3} <= set(checked)
+    assert asked == {windows}
     for (rid, got), prompt, n in zip(out.items(), prompts, new):
         assert got.generated_tokens == _reference(fused, prompt, n, eos_token_id=[17, 255]), rid
 
