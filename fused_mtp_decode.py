@@ -25,8 +25,10 @@ consecutive tokens, so each row's attention runs token by token (R <= k + 1), th
 Greedy drafting without logits processors is captured (its second call per (R, k); the first, eager, warms every
 kernel) and replayed; a chooser that runs Python per draft (processors, sampling) runs the same code eagerly. The
 prompt's pairs, hundreds to thousands of rows, are fed through the stock head once (``prefill``) and its cache copied
-in. Runs for a head of one layer (every real Qwen3.5 checkpoint) with a dense MLP and a static rotary type;
-:func:`static_draft_blocker` says why not otherwise, and the eager stock head drafts then.
+in. Runs for a head of one layer (every real Qwen3.5 checkpoint) with a static rotary type and a dense MLP, or the
+MoE models' sparse block (``STATIC_MOE_DRAFTS``: the router's GEMV, ``moe_route``, the shared expert's SwiGLU and
+``moe_experts`` over the picked experts, as the MoE decode step runs its block); :func:`static_draft_blocker` says
+why not otherwise, and the eager stock head drafts then.
 """
 
 import torch
@@ -37,6 +39,16 @@ from .fused_decode import rope_plan
 from .fused_graphs import WeightsSnapshot, capture_graph
 from .fused_layers import pack_linears
 
+# The MoE head (35B-A3B) drafts on the static drafter too: its sparse block by the MoE decode step's ops. Off until its
+# CUDA tests and the MoE speculative benchmark have run on a GPU (written, tested in the CPU emulation: the session
+# that wrote it had no device time left); off, the MoE head drafts with stock's layer, eagerly (3-20 ms a round at
+# 35B-A3B on the H200, BENCHMARKS "Speculative decoding").
+STATIC_MOE_DRAFTS = False
+
+
+def _is_moe(mlp) -> bool:
+    return all(hasattr(mlp, name) for name in ("gate", "experts", "shared_expert", "shared_expert_gate"))
+
 
 def static_draft_blocker(model) -> str | None:
     """None when ``model``'s MTP head can draft on a :class:`MTPDecodeState`, else why not."""
@@ -44,8 +56,12 @@ def static_draft_blocker(model) -> str | None:
     if len(head.layers) != 1:
         return f"the head has {len(head.layers)} layers (the static drafter runs one, as every real checkpoint has)"
     mlp = head.layers[0].mlp
-    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
-        return "the head's layer has a mixture-of-experts MLP (the static drafter runs a dense one)"
+    if _is_moe(mlp):
+        if not STATIC_MOE_DRAFTS:
+            return ("the head's layer has a mixture-of-experts MLP (the static drafter runs it only with "
+                    "fused_mtp_decode.STATIC_MOE_DRAFTS, off until measured on a GPU)")
+    elif not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")):
+        return "the head's layer has an MLP that is neither the dense nor the MoE block"
     device = model.lm_head.weight.device
     if rope_plan(head.rotary_emb, device) is None:
         return "the head's rotary embedding is not a static type on the model's device"
@@ -88,9 +104,11 @@ class MTPDecodeState:
         the matrix the drafts read; a replaced weight is caught by the snapshot)."""
         layer = model.mtp.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
+        self.moe = _is_moe(mlp)
+        swiglu = mlp.shared_expert if self.moe else mlp  # the dense MLP, or the MoE block's shared expert
         with torch.no_grad(), torch.inference_mode(False):
             self.w_qkv = pack_linears([attn.q_proj, attn.k_proj, attn.v_proj])[0]
-            self.w_gate_up = pack_linears([mlp.gate_proj, mlp.up_proj])[0]
+            self.w_gate_up = pack_linears([swiglu.gate_proj, swiglu.up_proj])[0]
         self.weights = WeightsSnapshot(model.mtp, model.lm_head, model.get_input_embeddings())
         self.graphs, self.calls = {}, {}
         self.tails, self.tail_calls = {}, {}
@@ -170,8 +188,21 @@ class MTPDecodeState:
         y = ops.small_linear(torch.cat(outs), attn.o_proj.weight)  # [R, H]
         ln = layer.post_attention_layernorm
         x, h = ops.rms_norm(y, ln.weight, ln.eps, residual=h)
-        y = ops.small_linear(ops.small_linear(x, self.w_gate_up, gate_up=True), mlp.down_proj.weight)
+        y = self._moe(mlp, x) if self.moe else \
+            ops.small_linear(ops.small_linear(x, self.w_gate_up, gate_up=True), mlp.down_proj.weight)
         return ops.rms_norm(y, head.norm.weight, head.norm.eps, residual=h)[0]
+
+    def _moe(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        """Stock's sparse MoE block (``Qwen3_5MoeSparseMoeBlock``) over the head's rows ``x`` [R, H] -> [R, H] with
+        the MoE decode step's ops: the router's linear and ``moe_route`` (softmax, top-k, renormalised), the shared
+        expert's SwiGLU MLP and its gate logit, ``moe_experts`` (the picked experts' SwiGLU MLPs, weighted and summed,
+        plus the gated shared expert). No host read: capturable."""
+        ops = self.ops
+        weights, ids = ops.moe_route(ops.small_linear(x, mlp.gate.weight), mlp.gate.top_k)
+        shared = ops.small_linear(ops.small_linear(x, self.w_gate_up, gate_up=True),
+                                  mlp.shared_expert.down_proj.weight)
+        shared_gate = ops.small_linear(x, mlp.shared_expert_gate.weight)  # [R, 1]
+        return ops.moe_experts(x, mlp.experts.gate_up_proj, mlp.experts.down_proj, weights, ids, shared, shared_gate)
 
     def logits(self, model, draft: torch.Tensor) -> torch.Tensor:
         """The LM head over draft hidden states [N, H]: [N, V] in the model's dtype."""

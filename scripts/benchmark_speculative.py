@@ -6,6 +6,8 @@
     python scripts/benchmark_speculative.py --device cpu --tiny --new-tokens 6 --repeats 1
     # a checkpoint with a trained head (the shipped one: --checkpoint .): its own drafts on held-out text, no set rate
     python scripts/benchmark_speculative.py --checkpoint . --dtype float32 --prompts 8
+    # the MoE head on the static drafter (fused_mtp_decode.STATIC_MOE_DRAFTS, off as shipped) for the run
+    python scripts/benchmark_speculative.py --shapes 35B-A3B --set fused_mtp_decode.STATIC_MOE_DRAFTS=True
 
 Random weights draft nothing the model would say, so the acceptance is set instead: each round, after the head has
 drafted and the model has verified, ``fused_speculative.force_acceptance`` makes the round accept the first n of its k
@@ -286,7 +288,26 @@ def main(argv=None):
                    help="a checkpoint folder with a trained MTP head: its own drafts on held-out prompts instead of "
                         "--shapes and --acceptance")
     p.add_argument("--prompts", type=int, default=8, help="with --checkpoint: held-out prompts")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.CONSTANT=VALUE",
+                   help="a repo constant for the whole run, as scripts/ab_decode.py's variants take them (e.g. "
+                        "fused_mtp_decode.STATIC_MOE_DRAFTS=True), restored afterwards; repeatable")
     args = p.parse_args(argv)
+    settings = []
+    if args.set:
+        from scripts.ab_decode import parse_variant, variant_modules
+
+        settings = parse_variant("set:" + ",".join(args.set), variant_modules())[1]
+    saved = [(module, const, getattr(module, const)) for module, const, _ in settings]
+    for module, const, value in settings:
+        setattr(module, const, value)
+    try:
+        return _main(args, argv)
+    finally:
+        for module, const, value in saved:
+            setattr(module, const, value)
+
+
+def _main(args, argv):
     args.k = [int(v) for v in args.k.split(",") if v]
     args.acceptance = [float(v) for v in args.acceptance.split(",") if v]
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

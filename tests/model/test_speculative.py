@@ -103,11 +103,13 @@ GREEDY = dict(do_sample=False, return_dict_in_generate=True)
 
 @cpu_emulated
 @pytest.mark.parametrize("k", [1, 2, 3])
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_greedy_tokens_and_cache_equal_non_speculative_and_stock(moe, k):
+@pytest.mark.parametrize("moe, static_moe", [(False, False), (True, False), (True, True)],
+                         ids=["dense", "moe", "moe-static-drafts"])
+def test_greedy_tokens_and_cache_equal_non_speculative_and_stock(moe, static_moe, k, monkeypatch):
     """23 new tokens (not a multiple of k + 1): the head's own drafts (random: mostly rejected) and drafts half right
     (partial acceptances, so rollbacks to every prefix) give the non-speculative tokens, which are stock's, and the
-    same returned cache."""
+    same returned cache; the MoE head drafting with stock's layer and on the static drafter (``STATIC_MOE_DRAFTS``)."""
+    monkeypatch.setattr(import_module("fused_mtp_decode"), "STATIC_MOE_DRAFTS", static_moe)
     stock, fused = _pair(moe)
     ids = _prompt()
     with torch.no_grad():
@@ -125,6 +127,8 @@ def test_greedy_tokens_and_cache_equal_non_speculative_and_stock(moe, k):
             got, want = cache_of(out), cache_of(plain)
             assert got.get_seq_length() == want.get_seq_length() == plain.sequences.shape[1] - 1
             assert_caches_close(got, want, fused.config.layer_types, CACHE_BOUND)
+    states = fused._text_model().runner.decode_states.values()
+    assert any(state.mtp_drafter is not None for state in states) == (not moe or static_moe)
 
 
 @cpu_emulated
@@ -315,15 +319,18 @@ def test_the_heads_cache_holds_the_true_pairs_only():
 
 
 @cpu_emulated
-def test_the_static_drafter_is_the_stock_head():
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe-static-drafts"])
+def test_the_static_drafter_is_the_stock_head(moe, monkeypatch):
     """``fused_mtp_decode.MTPDecodeState`` (the head on fixed buffers with the fused decode ops, what the draft graphs
     replay) against the stock head run afresh over the whole sequence, fp32: the prompt's pairs fed through the stock
     head and copied in, then 1-3 pairs a call, each call also drafting 3 chained tokens whose cache rows the next
     call overwrites. Each call's draft logits are the stock head's (1e-4) at the last fed row and, for the chained
-    drafts, over the sequence extended by them; the draft hidden states of fed rows agree to 1e-5. In a speculative
-    generate the dense head drafts on it; the MoE head drafts with stock's layer, said once and in describe()."""
+    drafts, over the sequence extended by them; the draft hidden states of fed rows agree to 1e-5. The MoE head's
+    sparse block runs on it with ``STATIC_MOE_DRAFTS`` (set here). In a speculative generate the dense head drafts on
+    it; the MoE head, as shipped (the switch off), drafts with stock's layer, said once and in describe()."""
     mtp_decode = import_module("fused_mtp_decode")
-    _, fused = _pair(seed=5)
+    monkeypatch.setattr(mtp_decode, "STATIC_MOE_DRAFTS", True)
+    _, fused = _pair(moe=moe, seed=5)
     ids = _prompt(length=24, seed=5)
     embed, head = fused.get_input_embeddings(), fused.lm_head
     with torch.no_grad():
@@ -352,7 +359,9 @@ def test_the_static_drafter_is_the_stock_head():
         drafter.set_count(at)
         rows = drafter.rows(fused, hidden[0, at - 2 : at], tokens[0, at - 2 : at], -2)  # the last two fed again
         torch.testing.assert_close(rows, reference[0, at - 2 : at], atol=1e-5, rtol=1e-5)
+    assert drafter.moe == moe
 
+    monkeypatch.setattr(mtp_decode, "STATIC_MOE_DRAFTS", False)
     for moe, expect in ((False, True), (True, False)):
         _, model = _pair(moe=moe, seed=6)
         with torch.no_grad():
@@ -851,14 +860,16 @@ def test_gpu_greedy_bf16_diverges_no_earlier_than_non_speculative():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_gpu_verify_graphs_give_the_non_speculative_tokens_and_cache(moe):
+@pytest.mark.parametrize("moe, static_moe", [(False, False), (True, False), (True, True)],
+                         ids=["dense", "moe", "moe-static-drafts"])
+def test_gpu_verify_graphs_give_the_non_speculative_tokens_and_cache(moe, static_moe, monkeypatch):
     """fp32, a random model and head on the GPU, drafts half right (rollbacks to every prefix), each round's drafts a
     new tensor: the verify pass runs from its CUDA graph per length (captured on that length's second pass, replayed
-    after), the dense head's rounds from their tail graph per length (which must read the drafts it is given, not
-    those at the address it was captured with), and the tokens and the returned cache are the non-speculative ones;
-    after a weight is replaced, the next call captures again and follows the new weights (a stale graph would still
-    read the old ones)."""
+    after), the static drafter's rounds (the dense head's; the MoE head's with ``STATIC_MOE_DRAFTS``) from their tail
+    graph per length (which must read the drafts it is given, not those at the address it was captured with), and
+    the tokens and the returned cache are the non-speculative ones; after a weight is replaced, the next call
+    captures again and follows the new weights (a stale graph would still read the old ones)."""
+    monkeypatch.setattr(import_module("fused_mtp_decode"), "STATIC_MOE_DRAFTS", static_moe)
     _, fused = _pair(moe)
     fused = fused.cuda()
     ids = _prompt().cuda()
@@ -883,8 +894,8 @@ def test_gpu_verify_graphs_give_the_non_speculative_tokens_and_cache(moe):
                     assert any(0 < n for _, n in rounds) and any(n < d for d, n in rounds), rounds
                     states = fused._text_model().runner.decode_states.values()
                     assert any(state.verify_graphs.get((k + 1, b)) for state in states for b in (0, 1)), k
-                    # the dense head's rounds run on the device, from a tail graph per length; the MoE head's on
-                    # the host, drafting eagerly
+                    # the static drafter's rounds run on the device, from a tail graph per length; the MoE head's
+                    # without it on the host, drafting eagerly
                     drafters = [state.mtp_drafter for state in states if state.mtp_drafter is not None]
-                    assert any(any(d.tails.values()) for d in drafters) != moe, k
+                    assert any(any(d.tails.values()) for d in drafters) == (not moe or static_moe), k
                     assert_caches_close(cache_of(out), cache_of(plain), fused.config.layer_types, CACHE_BOUND)

@@ -57,6 +57,22 @@ def test_benchmark_speculative_runs_on_cpu(tmp_path, fused_on_cpu):
         assert r["per_round"]["rounds"] > 0 and r["per_round"]["draft_ms"] > 0 and r["per_round"]["verify_ms"] > 0
 
 
+def test_benchmark_speculative_sets_constants_for_the_run(tmp_path, fused_on_cpu, monkeypatch):
+    """``--set MODULE.CONSTANT=VALUE``: the MoE head's static drafter on for the run (its rounds then draft on it),
+    the shipped value back afterwards."""
+    from scripts.common import import_module
+
+    mtp_decode, spec = import_module("fused_mtp_decode"), import_module("fused_speculative")
+    drafters = []
+    real = spec.drafter_for
+    monkeypatch.setattr(spec, "drafter_for", lambda *a: drafters.append(real(*a)) or drafters[-1])
+    benchmark_speculative.main(["--device", "cpu", "--dtype", "float32", "--new-tokens", "4",
+                                "--repeats", "1", "--k", "1", "--acceptance", "1", "--shapes", "tiny-moe",
+                                "--set", "fused_mtp_decode.STATIC_MOE_DRAFTS=True", "--out", str(tmp_path)])
+    assert mtp_decode.STATIC_MOE_DRAFTS is False
+    assert drafters and all(d is not None and d.moe for d in drafters)
+
+
 
 def test_benchmark_speculative_runs_the_shipped_checkpoint_on_cpu(tmp_path, fused_on_cpu):
     """``--checkpoint .``: the shipped model's trained head on held-out prompts through the CPU emulation, plain and
