@@ -35,8 +35,8 @@ from .fused_plan import FusedPlan
 # The decode step runs at the smallest of these row counts that holds the live requests (at most the state's R rows,
 # which is a bucket too): one captured graph each, the graph of R rows not recaptured when fewer requests remain.
 # Above 32 rows, finer steps (48 and 96 halfway between powers of two, then every 32 rows): a step's GEMMs and free
-# rows cost by the bucket, not the live rows (4B, 256 rows, H100: the decode steps of one workload 13.04 s against 13.23 s
-# with powers of two). Beyond the last entry the step runs at R.
+# rows cost by the bucket, not the live rows (4B, 256 rows, H100: the decode steps of one workload 13.04 s against
+# 13.23 s with powers of two). Beyond the last entry the step runs at R.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224)
 # A move of a window whose source and destination overlap goes through a temporary of at most this many tokens a
 # chunk (rows x KV x chunk x D elements), so a shift never allocates a copy of the whole cache.

@@ -24,8 +24,8 @@ from .fused_plan import FusedPlan
 MIN_DECODE_LEN = 256
 # generate_batch's rows (``track_rows``) hold contiguous windows row_start..slot. True: the attention reads each as a
 # range (``decode_attention(contiguous=True)``: no valid mark loaded, values masked by the key index); False: through
-# the valid marks, as generate's rows. Off until its CUDA tests and an A/B have run on a GPU (written, not run: the
-# session's device time ran out); unmasked values, its speed's upper bound, took 3% off the decode steps (DESIGN).
+# the valid marks, as generate's rows. Off until its CUDA tests and an A/B have run on a GPU (CPU-tested only);
+# unmasked values, its speed's upper bound, took 3% off the decode steps (DESIGN).
 ROW_WINDOWS = False
 
 

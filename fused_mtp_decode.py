@@ -40,9 +40,8 @@ from .fused_graphs import WeightsSnapshot, capture_graph
 from .fused_layers import pack_linears
 
 # The MoE head (35B-A3B) drafts on the static drafter too: its sparse block by the MoE decode step's ops. Off until its
-# CUDA tests and the MoE speculative benchmark have run on a GPU (written, tested in the CPU emulation: the session
-# that wrote it had no device time left); off, the MoE head drafts with stock's layer, eagerly (3-20 ms a round at
-# 35B-A3B on the H200, BENCHMARKS "Speculative decoding").
+# CUDA tests and the MoE speculative benchmark have run on a GPU (tested in the CPU emulation only); off, the MoE head
+# drafts with stock's layer, eagerly (3-20 ms a round at 35B-A3B on the H200, BENCHMARKS "Speculative decoding").
 STATIC_MOE_DRAFTS = False
 
 
