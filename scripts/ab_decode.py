@@ -28,6 +28,7 @@ weight-read floor, run `benchmark_latency.py`.
 
 import argparse
 import ast
+import contextlib
 import json
 import re
 import statistics
@@ -76,6 +77,20 @@ def parse_variant(spec: str, modules: dict) -> tuple[str, list]:
     return name, settings
 
 
+@contextlib.contextmanager
+def constants(settings: list):
+    """Each (module, constant, value) of ``settings`` (a parsed variant's) set for the block, the values it had before
+    put back afterwards, also when the block raises."""
+    saved = [(module, const, getattr(module, const)) for module, const, _ in settings]
+    try:
+        for module, const, value in settings:
+            setattr(module, const, value)
+        yield
+    finally:
+        for module, const, value in reversed(saved):
+            setattr(module, const, value)
+
+
 def first_divergence(tokens: torch.Tensor, base: torch.Tensor) -> int | None:
     """The first new-token position where any row differs from the baseline's tokens; None when none does."""
     differ = (tokens != base).any(0)
@@ -86,7 +101,6 @@ def ab_shape(model, variants: list, batches: list[int], prompt_len: int, new_tok
     """For each batch: every variant's ms per token (median / min / max over the repeats, interleaved) and its
     first divergence from the first variant's greedy tokens."""
     vocab = model.config.vocab_size
-    defaults = {(m, c): getattr(m, c) for _, settings in variants for m, c, _ in settings}
     results = {}
     try:
         for batch in batches:
@@ -105,18 +119,15 @@ def ab_shape(model, variants: list, batches: list[int], prompt_len: int, new_tok
             tokens = {}
             for _ in range(max(1, repeats)):
                 for name, settings in variants:
-                    for (module, const), value in defaults.items():  # each variant starts from the defaults
-                        setattr(module, const, value)
-                    for module, const, value in settings:
-                        setattr(module, const, value)
-                    model.set_fused_kernels(False).set_fused_kernels(True)  # new graphs under these settings
-                    run(4)
-                    run(4)
-                    t0 = time.perf_counter()
-                    run(1)
-                    t1 = time.perf_counter()
-                    tokens[name] = run(new_tokens + 1)
-                    t2 = time.perf_counter()
+                    with constants(settings):  # each variant from the shipped values
+                        model.set_fused_kernels(False).set_fused_kernels(True)  # new graphs under these settings
+                        run(4)
+                        run(4)
+                        t0 = time.perf_counter()
+                        run(1)
+                        t1 = time.perf_counter()
+                        tokens[name] = run(new_tokens + 1)
+                        t2 = time.perf_counter()
                     times[name].append(((t2 - t1) - (t1 - t0)) / new_tokens * 1e3)
             base_name = variants[0][0]
             base = statistics.median(times[base_name])
@@ -131,9 +142,7 @@ def ab_shape(model, variants: list, batches: list[int], prompt_len: int, new_tok
                 log(f"batch {batch} {name}: {r['ms_per_token']:.4f} ms/token ({r['min']:.4f} to {r['max']:.4f}), "
                     f"{r['delta_ms']:+.4f} vs {base_name}, tokens {div}")
     finally:
-        for (module, const), value in defaults.items():
-            setattr(module, const, value)
-        model.set_fused_kernels(False).set_fused_kernels(True)
+        model.set_fused_kernels(False).set_fused_kernels(True)  # graphs under the shipped values again
     return results
 
 

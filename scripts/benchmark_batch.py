@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts import ab_decode  # noqa: E402
 from scripts.benchmark_latency import build_pair, log, measure_ceilings, percentile, stock_cpu_guard  # noqa: E402
 from scripts.common import import_module, write_report  # noqa: E402
 
@@ -244,6 +245,17 @@ def step_bytes(model, rows: int, context: int) -> dict:
     return {"weights": weights + experts, "kv": rows * context * per_token, "state": 2 * rows * per_row}
 
 
+def _every_row_live(buffers, view, rows: int, context: int, repeats: int) -> int:
+    """Set the ``rows``-row ``view`` up for timing its captured step: every row live over keys 0..slot (the run left
+    them all free), the slot ``context`` or as near as ``repeats`` steps from it fit; returns the slot."""
+    slot = min(context, buffers.max_len - repeats - 1)
+    view.key_valid[:, :slot] = True
+    if view.row_start is not None:
+        view.row_start.zero_()
+    buffers.set_live(rows)
+    return slot
+
+
 def time_decode_steps(model, context: int, copy_rate: float | None, repeats: int = 20) -> dict:
     """The captured decode step of ``generate_batch`` (the buffers its run left) at each row bucket it captured:
     median ms over ``repeats`` replays at slot ``context``, and its floor."""
@@ -256,11 +268,7 @@ def time_decode_steps(model, context: int, copy_rate: float | None, repeats: int
     for rows, view in sorted(buffers.views.items()):
         if not view.graph:
             continue
-        slot = min(context, buffers.max_len - repeats - 1)
-        view.key_valid[:, :slot] = True
-        if view.row_start is not None:  # every row live, reading from key 0 (the run left them all free)
-            view.row_start.zero_()
-        buffers.set_live(rows)
+        slot = _every_row_live(buffers, view, rows, context, repeats)
         times = []
         for _ in range(repeats):
             view.slot.fill_(slot)
@@ -295,11 +303,7 @@ def profile_decode_steps(model, context: int, rows_list, repeats: int = 10, top:
         if view is None or not view.graph:
             log(f"profile steps: no captured step at {rows} rows (captured: {sorted(buffers.views)})")
             continue
-        slot = min(context, buffers.max_len - repeats - 1)
-        view.key_valid[:, :slot] = True
-        if view.row_start is not None:
-            view.row_start.zero_()
-        buffers.set_live(rows)
+        slot = _every_row_live(buffers, view, rows, context, repeats)
         view.slot.fill_(slot)
         view.decode(text, True, head)
         torch.cuda.synchronize()
@@ -403,75 +407,66 @@ def run(args) -> dict:
         stock_s, fused_s = _static_runs(args, results, stock, fused, requests, subset, tokens, sub_tokens, device)
     stock = _free(stock, device)  # generate_batch sizes its buffers from the free memory: stock's is not the user's
     # each (rows, prefill_chunk) setting in turn, the most rows last: its buffers are the ones the steps are timed on;
-    # with --variant, every setting under each variant's constants in turn (the steps are timed under the shipped ones)
+    # with --variant, every setting under each variant's constants in turn, its steps timed (and profiled) on its own
+    # buffers; the first variant's are the report's
     variants = parse_variants(args.variant)
-    defaults = {(m, c): getattr(m, c) for _, sets in variants for m, c, _ in sets}
     timed_steps = device.type == "cuda" and blocker is None
     if timed_steps:
         ceilings = measure_ceilings(device)
         context = round(statistics.fmean(len(p) + n / 2 for p, n in requests))
         results["context"], results["copy_bytes_per_s"] = context, ceilings["copy_bytes_per_s"]
-    last = settings(args)[-1]
-    for (rows, chunk, ride), (vname, vsets) in ((s, v) for v in variants for s in settings(args)):
-        name = f"(3) fused generate_batch, {rows} rows, chunk {chunk}" + (", riding" if ride else "")
-        if len(variants) > 1:
-            name += f" [{vname}]"
-            for (module, const), value in defaults.items():  # each variant starts from the shipped values
-                setattr(module, const, value)
-            for module, const, value in vsets:
-                setattr(module, const, value)
-            fused.set_fused_kernels(False).set_fused_kernels(True)  # new buffers and graphs under these values
-        log(name)
-        batch_mod.MIXED_ON_GPU = ride  # read once per generate_batch call (BatchEngine.ride)
-        # this setting's own first shapes, off the clock (the prompts' graphs stay for the run: kept across sizes)
-        warm_set = bucket_warmup(requests, rows) if args.warm == "buckets" else warm
-        start = time.perf_counter()
-        continuous(fused, warm_set, rows, device, chunk)
-        results.setdefault("warmup_s", {})[name] = (len(warm_set), time.perf_counter() - start)
-        batch_run = continuous(fused, requests, rows, device, chunk)
-        results["runs"][name] = cont_s = stats(batch_run, batch_run["tokens"])
-        if batch_run["parts"]:
-            results["parts"][name] = {"wall_s": batch_run["wall_s"], **batch_run["parts"]}
-        results["failed"] += [f"{name}: {f}" for f in batch_run["failed"]]
-        # the subset's requests as they ran among all the others (throughput: the whole run's)
-        sub = [batch_run["by_id"][f"req_{i}"] for i in range(len(subset)) if f"req_{i}" in batch_run["by_id"]]
-        results["runs"][f"{name}, subset latencies"] = stats(
-            {"wall_s": batch_run["wall_s"], "ttft": [t for t, _ in sub], "per_token": [s for _, s in sub]},
-            batch_run["tokens"])
-        if fused_s is not None:
-            results["ratios"][f"{name} / (2) fused static"] = (cont_s["tokens_per_s"] / fused_s["tokens_per_s"],
-                                                                ">= 3x at 4B")
-            results["ratios"][f"{name} / (1) stock static (stock on its subset)"] = (
-                cont_s["tokens_per_s"] / stock_s["tokens_per_s"], ">= 20x at 4B")
-        if timed_steps and len(variants) > 1 and (rows, chunk, ride) == last:  # this variant's steps, its buffers
-            with torch.inference_mode():
-                steps = time_decode_steps(fused, context, ceilings["copy_bytes_per_s"])
-            results.setdefault("decode_steps_by_variant", {})[vname] = {str(r): v for r, v in steps.items()}
-            log(f"[{vname}] captured step ms at {context} keys: "
-                + ", ".join(f"{r} rows {v['step_ms']:.3f}" for r, v in steps.items()))
+    for vname, vsets in variants:
+        tag = f" [{vname}]" if len(variants) > 1 else ""
+        with ab_decode.constants(vsets):
+            if len(variants) > 1:
+                fused.set_fused_kernels(False).set_fused_kernels(True)  # new buffers and graphs under these values
+            for rows, chunk, ride in settings(args):
+                name = f"(3) fused generate_batch, {rows} rows, chunk {chunk}" + (", riding" if ride else "") + tag
+                _batch_setting(args, results, name, fused, requests, subset, warm, rows, chunk, ride, fused_s,
+                               stock_s, device)
+            if timed_steps:
+                with torch.inference_mode():
+                    steps = time_decode_steps(fused, context, ceilings["copy_bytes_per_s"])
+                    profiles = profile_decode_steps(fused, context, args.profile_steps) if args.profile_steps else {}
+                results.setdefault("decode_steps_by_variant", {})[vname] = {str(r): v for r, v in steps.items()}
+                results.setdefault("step_profiles_by_variant", {})[vname] = {str(r): v for r, v in profiles.items()}
+                log(f"captured step ms at {context} keys{tag}: "
+                    + ", ".join(f"{r} rows {v['step_ms']:.3f}" for r, v in steps.items()))
         save(args, results)
-    for (module, const), value in defaults.items():
-        setattr(module, const, value)
-    # the steps below are timed (and profiled) under the shipped values: on their buffers and graphs again, unless
-    # a variant set nothing and its timing stands (and, to profile, its buffers are the last ones)
-    shipped = next((vname for vname, vsets in variants if not vsets), None)
-    rewarm = len(variants) > 1 and (shipped is None or (args.profile_steps and variants[-1][0] != shipped))
-    if rewarm:
-        fused.set_fused_kernels(False).set_fused_kernels(True)
-        continuous(fused, bucket_warmup(requests, max(args.rows)) if args.warm == "buckets" else warm,
-                   max(args.rows), device, args.prefill_chunk[-1])
     if timed_steps:
-        if len(variants) > 1 and not rewarm:
-            results["decode_steps"] = results["decode_steps_by_variant"][shipped]
-        else:
-            with torch.inference_mode():
-                steps = time_decode_steps(fused, context, ceilings["copy_bytes_per_s"])
-            results["decode_steps"] = {str(rows): s for rows, s in steps.items()}
-        if args.profile_steps:
-            with torch.inference_mode():
-                results["step_profiles"] = {str(r): v for r, v in profile_decode_steps(
-                    fused, context, args.profile_steps).items()}
+        results["decode_steps"] = results["decode_steps_by_variant"][variants[0][0]]
+        results["step_profiles"] = results["step_profiles_by_variant"][variants[0][0]]
     return results
+
+
+def _batch_setting(args, results, name, fused, requests, subset, warm, rows, chunk, ride, fused_s, stock_s,
+                   device) -> None:
+    """One ``generate_batch`` setting: its first shapes warmed off the clock, then the timed run, its stats and
+    ratios into ``results`` (saved)."""
+    batch_mod = import_module("fused_batch")
+    log(name)
+    batch_mod.MIXED_ON_GPU = ride  # read once per generate_batch call (BatchEngine.ride)
+    # this setting's own first shapes, off the clock (the prompts' graphs stay for the run: kept across sizes)
+    warm_set = bucket_warmup(requests, rows) if args.warm == "buckets" else warm
+    start = time.perf_counter()
+    continuous(fused, warm_set, rows, device, chunk)
+    results.setdefault("warmup_s", {})[name] = (len(warm_set), time.perf_counter() - start)
+    batch_run = continuous(fused, requests, rows, device, chunk)
+    results["runs"][name] = cont_s = stats(batch_run, batch_run["tokens"])
+    if batch_run["parts"]:
+        results["parts"][name] = {"wall_s": batch_run["wall_s"], **batch_run["parts"]}
+    results["failed"] += [f"{name}: {f}" for f in batch_run["failed"]]
+    # the subset's requests as they ran among all the others (throughput: the whole run's)
+    sub = [batch_run["by_id"][f"req_{i}"] for i in range(len(subset)) if f"req_{i}" in batch_run["by_id"]]
+    results["runs"][f"{name}, subset latencies"] = stats(
+        {"wall_s": batch_run["wall_s"], "ttft": [t for t, _ in sub], "per_token": [s for _, s in sub]},
+        batch_run["tokens"])
+    if fused_s is not None:
+        results["ratios"][f"{name} / (2) fused static"] = (cont_s["tokens_per_s"] / fused_s["tokens_per_s"],
+                                                            ">= 3x at 4B")
+        results["ratios"][f"{name} / (1) stock static (stock on its subset)"] = (
+            cont_s["tokens_per_s"] / stock_s["tokens_per_s"], ">= 20x at 4B")
+    save(args, results)
 
 
 def parse_variants(specs: list[str] | None) -> list[tuple[str, list]]:
@@ -479,10 +474,8 @@ def parse_variants(specs: list[str] | None) -> list[tuple[str, list]]:
     constant, value), ...])]; none given: one variant, the shipped values."""
     if not specs:
         return [("shipped", [])]
-    from scripts.ab_decode import parse_variant, variant_modules
-
-    modules = variant_modules()
-    return [parse_variant(spec, modules) for spec in specs]
+    modules = ab_decode.variant_modules()
+    return [ab_decode.parse_variant(spec, modules) for spec in specs]
 
 
 def _free(model, device) -> None:
@@ -541,7 +534,8 @@ def main(argv=None):
     p.add_argument("--variant", action="append", default=None,
                    help="NAME:MODULE.CONSTANT=VALUE,... as scripts/ab_decode.py takes it, repeatable: every "
                         "generate_batch setting runs under each variant's constants in turn, the model's graphs and "
-                        "buffers dropped between them; the first is the baseline")
+                        "buffers dropped between them, and each variant's captured steps are timed (and profiled) "
+                        "on its own buffers; the first is the baseline")
     p.add_argument("--profile-steps", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                    help="comma list of row buckets whose captured decode step to profile after the runs (GPU): the "
                         "kernels and their time a step")

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scripts import benchmark_latency  # noqa: E402
+from scripts import ab_decode, benchmark_latency  # noqa: E402
 from scripts.common import REAL_MOE_SHAPES, REAL_SHAPES, import_module, write_report  # noqa: E402
 
 
@@ -294,17 +294,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     settings = []
     if args.set:
-        from scripts.ab_decode import parse_variant, variant_modules
-
-        settings = parse_variant("set:" + ",".join(args.set), variant_modules())[1]
-    saved = [(module, const, getattr(module, const)) for module, const, _ in settings]
-    for module, const, value in settings:
-        setattr(module, const, value)
-    try:
+        settings = ab_decode.parse_variant("set:" + ",".join(args.set), ab_decode.variant_modules())[1]
+    with ab_decode.constants(settings):
         return _main(args, argv)
-    finally:
-        for module, const, value in saved:
-            setattr(module, const, value)
 
 
 def _main(args, argv):
