@@ -31,12 +31,11 @@ Bounds (`docs/DESIGN.md`, "How correctness is established"): fp32 against stock'
 `FP32_BOUND` (the model bound of the CUDA tests), or past it no further from a float64 answer than `FP32_FACTOR` x
 stock's own fp32 error; bf16 / fp16 against the float32 answer on the same weights: the fused error at most
 `LOW_PRECISION_FACTOR` x stock's own error there, or within the CUDA tests' model bound of stock. Tokens at an MoE
-router tie (`ROUTER_TIE`, or within what twice stock's own router noise can swap: `router_ties`) are left out. Generated tokens may
-part only at a near-tie: where that step's logits pass,
-and only to a token whose stock logit is within 2x the rounding at hand of stock's best (so a wrong token from a
-right forward, a decode-loop fault, fails). A failure is shrunk (`shrink`: fewer layers, smaller sizes, shorter
-inputs, while it still fails) and printed as one command that reproduces it; the run ends with the cases per minute
-and the coverage of what it drew.
+router tie (`ROUTER_TIE`, or within what twice stock's own router noise can swap: `router_ties`) are left out.
+Generated tokens may part only at a near-tie: where that step's logits pass, and only to a token whose stock logit is
+within 2x the rounding at hand of stock's best (so a wrong token from a right forward, a decode-loop fault, fails). A
+failure is shrunk (`shrink`: fewer layers, smaller sizes, shorter inputs, while it still fails) and printed as one
+command that reproduces it; the run ends with the cases per minute and the coverage of what it drew.
 """
 
 import argparse
