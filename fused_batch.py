@@ -15,6 +15,8 @@ The scheduler (:class:`BatchEngine`) over the rows of a :class:`BatchState` (``f
    ``prefill_chunk``, at most that many prompt tokens run between two steps, and a longer prompt runs a chunk per
    step over a stock cache (:meth:`BatchEngine._chunk`) before it joins the same way, its chunk riding on the decode
    step while requests decode (``fused_batch_mixed``: one GEMM a projection over the decode rows and the chunk);
+   with ``PREFILL_GROUP`` > 1 (off: it measured slower), whole prompts of one length bucket that join at one step
+   run one batched prefill (:meth:`BatchEngine._start_many`);
 2. one decode step for rows 0..n-1 (rows stay packed: a request that leaves hands its row to the last one), at the
    smallest row bucket >= n, replayed from that bucket's CUDA graph; first, the live span moves left when the slot has
    reached the end of the cache or the dead prefix has grown to half of what the step reads;
@@ -49,6 +51,7 @@ from .fused_batch_rule import TokenRule, device_tokens, request_config
 from .fused_batch_state import prefill_len_for
 from .fused_decode import FusedDecodeCache, decode_len_bucket
 from .fused_generate import graph_head, step_logits
+from .fused_graphs import FORWARD_GRAPH_MAX_LEN, forward_len_bucket
 from .fused_plan import announce
 
 logger = logging.get_logger(__name__)
@@ -70,6 +73,17 @@ COMPACT_MIN = 256
 # bucket), holding up the running requests for its length. Chunks run the eager forward over a stock cache: which
 # default serves throughput and latency best on the GPU is not measured yet.
 PREFILL_CHUNK = None
+# Whole prompts of one length bucket that join at one step are prefilled together, in one forward of up to this many
+# (in batches of 2, 4, ... of them, each batch with its own prefill state and prompt graphs); 1: each prompt alone.
+# While requests decode and more wait, free rows are then filled once there are this many (or as many as wait): with
+# many rows about one request leaves a step, and prompts admitted one at a time would never share a forward.
+# Off: at 4 the prompts took 10.40 s of GPU time against 9.67 s alone (4B, 256 rows, H100, one process, every group
+# graph warmed), though a batch of 4 unpadded 1,024-token prompts ran at 16.0 us a token against 24.0 alone in
+# ``generate`` (``scripts/probe_prefill_batch.py``); not profiled yet (DESIGN).
+PREFILL_GROUP = 1
+# How far down the waiting queue a group looks for prompts of its first prompt's length bucket (those it takes join
+# before the ones they pass).
+GROUP_LOOKAHEAD = 64
 # Fraction of the free GPU memory the buffers may take when the caller sets no budget (transformers' own default is
 # 0.8-0.9 of the free memory for its paged cache; the step's and the prefill's activations need the rest).
 DEFAULT_MEMORY_FRACTION = 0.8
@@ -214,6 +228,7 @@ class BatchEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_chunk = prefill_chunk  # prompt tokens prefilled between two decode steps (None: no limit)
         self.prefilling: Chunked | None = None  # the prompt being prefilled a chunk per step
+        self.group = max(1, PREFILL_GROUP)  # whole prompts of one length bucket prefilled together, at most
         # chunks ride on the decode step (fused_batch_mixed) or, where they cannot, run before it: decided once
         self.ride = prefill_chunk is not None and _ride_blocker(text_model, buffers.state) is None
         self.layer_types = text_model.config.layer_types[: text_model.config.num_hidden_layers]
@@ -284,6 +299,8 @@ class BatchEngine:
             if self.prefilling is not None:
                 return
         while self.waiting and len(self.live) < self.buffers.rows:
+            if self.group > 1 and self.live and self.buffers.rows - len(self.live) < min(self.group, len(self.waiting)):
+                break  # fewer free rows than a group: they fill at a later step, together
             req = self.waiting[0]
             P = len(req.prompt)
             if taken and self.max_prefill_tokens is not None and taken + P > self.max_prefill_tokens:
@@ -292,19 +309,87 @@ class BatchEngine:
             if budget is not None and (taken >= budget or (not chunked and taken + P > budget)):
                 break  # this step's prompt tokens are spent: it starts at the next one
             self.waiting.popleft()
+            group = [req]
             try:
                 if chunked:
                     taken += self._start_chunked(req, budget - taken)
                     if self.prefilling is not None:
                         return
                 else:
-                    taken += P
-                    self._start(req)
-            except Exception as err:  # it is in no queue now: end it here, then the caller fails the rest
+                    group += self._partners(req, taken + P)
+                    taken += sum(len(r.prompt) for r in group)
+                    self._start_group(group)
+            except Exception as err:  # they are in no queue now: end them here, then the caller fails the rest
                 self.prefilling = None
-                if not req.done:
-                    self._fail(req, f"{type(err).__name__}: {err}")
+                for r in group:
+                    if not r.done:
+                        self._fail(r, f"{type(err).__name__}: {err}")
                 raise
+
+    def _partners(self, first: Request, taken: int) -> list[Request]:
+        """Waiting requests (among the next ``GROUP_LOOKAHEAD``) whose prompts share ``first``'s length bucket, to
+        prefill with it: at most ``group - 1`` of them and the free rows but one, within ``max_prefill_tokens`` and
+        ``prefill_chunk`` (``taken`` prompt tokens already counted); taken out of the queue, the others keep their
+        order."""
+        most = min(self.group, self.buffers.rows - len(self.live)) - 1
+        if most < 1 or len(first.prompt) > FORWARD_GRAPH_MAX_LEN:
+            return []
+        bucket = forward_len_bucket(len(first.prompt))
+        limit = min(t for t in (self.max_prefill_tokens, self.prefill_chunk, float("inf")) if t is not None)
+        found, kept = [], []
+        for _ in range(min(len(self.waiting), GROUP_LOOKAHEAD)):
+            req = self.waiting.popleft()
+            P = len(req.prompt)
+            if len(found) < most and forward_len_bucket(P) == bucket and taken + P <= limit:
+                found.append(req)
+                taken += P
+            else:
+                kept.append(req)
+        self.waiting.extendleft(reversed(kept))
+        return found
+
+    def _start_group(self, group: list[Request]) -> None:
+        """Prefill the prompts of ``group`` (one length bucket) and give each a row: in batches of the largest power
+        of two that is left (the prefill states' batches), a batch of one through :meth:`_start`."""
+        group = [req for req in group if self._admissible(req)]
+        while group:
+            batch = 1 << (len(group).bit_length() - 1)
+            part, group = group[:batch], group[batch:]
+            if batch == 1:
+                self._start(part[0], admitted=True)
+            else:
+                self._start_many(part)
+
+    def _start_many(self, reqs: list[Request]) -> None:
+        """Prefill the prompts of ``reqs`` (admitted, one length bucket) in one forward, left-padded to the longest
+        (the runner pads them all on to the bucket), and give each a row as :meth:`_start` does. Out of memory, each
+        runs alone instead."""
+        lengths = [len(r.prompt) for r in reqs]
+        longest = max(lengths)
+        try:
+            state = self.buffers.group_prefill(self.text_model, self.plan, len(reqs), longest)
+            # ids and mask in one copy from the host (``device_tokens``: no wait for the GPU), left-padded
+            rows = [t for r, P in zip(reqs, lengths) for t in [0] * (longest - P) + list(r.prompt)]
+            rows += [int(j >= longest - P) for P in lengths for j in range(longest)]
+            ids, mask = device_tokens(rows, state.device).view(2, len(reqs), longest).unbind(0)
+            positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+            cache = FusedDecodeCache(state, self.layer_types, self.plan.graphs, budget=longest + 1)
+            out = self.runner.run_on_cache(self.text_model, cache, input_ids=ids, attention_mask=mask,
+                                           position_ids=positions)
+            logits = self.model.lm_head(out.last_hidden_state[:, -1:])[:, -1]
+        except torch.OutOfMemoryError:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            for req in reqs:
+                self._start(req, admitted=True)
+            return
+        for i, (req, P) in enumerate(zip(reqs, lengths)):
+            pad = cache._pad + longest - P
+
+            def load(row, slot, first, req=req, i=i, pad=pad, P=P):
+                self.buffers.load_prompt(row, slot, pad, P, req.prompt_ids, first, source=state, index=i)
+
+            self._join(req, logits[i : i + 1], load)
 
     def _fail(self, req: Request, error: str) -> None:
         req.end(RequestStatus.FAILED, error)
@@ -328,9 +413,10 @@ class BatchEngine:
             torch.cuda.empty_cache()
         self._fail(req, f"out of memory prefilling its {len(req.prompt)}-token prompt ({str(err).splitlines()[0]})")
 
-    def _start(self, req: Request) -> None:
-        """Prefill ``req``'s whole prompt through the batch-1 fused prefill and give it a row."""
-        if not self._admissible(req):
+    def _start(self, req: Request, admitted: bool = False) -> None:
+        """Prefill ``req``'s whole prompt through the batch-1 fused prefill and give it a row (``admitted``: its
+        :meth:`_admissible` already passed)."""
+        if not admitted and not self._admissible(req):
             return
         P = len(req.prompt)
         try:
@@ -704,6 +790,12 @@ def free_bytes(text_model) -> int | None:
     return free + (held.nbytes() if held is not None else 0)
 
 
+def prefill_rows() -> int:
+    """Rows of the prefill states at most: the batch-1 state and a group state of each batch 2, 4, ... up to
+    ``PREFILL_GROUP``."""
+    return sum(1 << i for i in range(max(1, PREFILL_GROUP).bit_length()))
+
+
 def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_config) -> tuple[int, int, int]:
     """(rows, cache tokens a row, prefill tokens) for ``count`` requests of at most ``need`` cache tokens each (prompt
     + new - 1) under the caller's budget:
@@ -725,7 +817,7 @@ def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_conf
         tokens = blocks * block_tokens(cb_config)
     elif free is not None:
         fraction = getattr(cb_config, "max_memory_percent", None) or DEFAULT_MEMORY_FRACTION
-        prefill_bytes = prefill_len * per_token + per_row
+        prefill_bytes = prefill_rows() * (prefill_len * per_token + per_row)
         tokens = max(0, int(fraction * free) - prefill_bytes - rows * per_row) // max(1, per_token)
     else:
         return rows, max_len, prefill_len

@@ -81,6 +81,8 @@ class BatchState:
       the shared ``slot`` [1]);
     - ``views``: row count -> a :meth:`DecodeState.view_rows` of its first rows (its own step graph);
     - ``prefill``: a batch-1 :class:`DecodeState` of ``prefill_len`` tokens, the prompts' fused prefill target;
+    - ``groups``: batch -> a :class:`DecodeState` of that many rows of ``prefill_len`` tokens, where prompts of one
+      length bucket are prefilled together (``group_prefill``; made on a group's first prompt);
     - ``tokens`` [R] int64: each row's last chosen token, the next step's input (it never leaves the device);
     - ``history`` [R, L + 1] int64 and ``lengths`` [R] int64: each row's prompt and chosen tokens, kept only when a
       logits processor reads the sequence (``ensure_history``).
@@ -89,14 +91,15 @@ class BatchState:
     """
 
     def __init__(self, text_model, plan: FusedPlan, rows: int, max_len: int, prefill_len: int,
-                 prefill: DecodeState | None = None):
+                 prefill: DecodeState | None = None, groups: dict | None = None):
         """``prefill``: a batch-1 state of at least ``prefill_len`` tokens to prefill in (kept from earlier buffers,
-        with its prompt graphs), else a new one."""
+        with its prompt graphs), else a new one; ``groups``: the group prefill states kept with it."""
         self.state = DecodeState(text_model, plan, rows, max_len)
         if prefill is None:
             prefill = DecodeState(text_model, plan, 1, prefill_len)
         self.rows, self.max_len, self.prefill_len = rows, max_len, prefill.max_len
         self.prefill = prefill
+        self.groups = dict(groups or {})
         if not self.state.multi_device:
             self.state.track_rows()
         self.live_rows = 0  # the host's copy of ``state.live`` (written when it changes)
@@ -120,6 +123,22 @@ class BatchState:
         self.prefill_len = prefill_len_for(prompt)
         self.prefill = DecodeState(text_model, plan, 1, self.prefill_len)
 
+    def group_prefill(self, text_model, plan: FusedPlan, batch: int, prompt: int) -> DecodeState:
+        """The state ``batch`` prompts of up to ``prompt`` tokens are prefilled in together: the batch-1 ``prefill``
+        (grown when needed), or the group state of that batch (made, or remade longer, when needed; its prompt graphs
+        go with a remade one)."""
+        if batch == 1:
+            if prefill_len_for(prompt) > self.prefill_len:
+                self.grow_prefill(text_model, plan, prompt)
+            return self.prefill
+        need = max(self.prefill_len, prefill_len_for(prompt))
+        state = self.groups.get(batch)
+        if state is None or state.max_len < need:
+            if state is not None:
+                state.drop()
+            state = self.groups[batch] = DecodeState(text_model, plan, batch, need)
+        return state
+
     def ensure_history(self) -> None:
         if self.history is None:
             with torch.inference_mode(False):
@@ -127,7 +146,7 @@ class BatchState:
                 self.lengths = torch.zeros(self.rows, dtype=torch.long, device=self.state.device)
 
     def nbytes(self) -> int:
-        return self.state.nbytes() + self.prefill.nbytes()
+        return self.state.nbytes() + self.prefill.nbytes() + sum(g.nbytes() for g in self.groups.values())
 
     def drop(self, keep_prefill: bool = False) -> None:
         """Free every graph (the runner released the buffers, or replaced them), the prefill state's unless
@@ -136,6 +155,8 @@ class BatchState:
             view.drop()
         if not keep_prefill:
             self.prefill.drop()
+            for group in self.groups.values():
+                group.drop()
 
     def drop_stale_graphs(self) -> None:
         """Capture again where a parameter was replaced since a capture (an adapter injected, a reload)."""
@@ -151,24 +172,27 @@ class BatchState:
             "cache_bytes": self.nbytes(),
             "row_buckets_captured": sorted(rows for rows, view in self.views.items() if view.graph),
             "prompt_buckets_captured": sorted(n for n, g in self.prefill.prefill_graphs.items() if g.graph),
+            "group_prompt_buckets_captured": {b: sorted(n for n, g in st.prefill_graphs.items() if g.graph)
+                                              for b, st in sorted(self.groups.items())},
         }
 
     # -- row operations ----------------------------------------------------------------------------------------------
 
     def load_prompt(self, row: int, slot: int, pad: int, length: int, prompt: torch.Tensor,
-                    first: torch.Tensor) -> None:
-        """Row ``row`` <- the request ``prefill`` holds now, its ``length`` real tokens at [pad, pad + length) there:
+                    first: torch.Tensor, source: DecodeState | None = None, index: int = 0) -> None:
+        """Row ``row`` <- the request row ``index`` of ``source`` (``prefill`` when None, or a group state) holds now,
+        its ``length`` real tokens at [pad, pad + length) there:
         conv and recurrent state, keys / values at [slot - length, slot), ``key_valid`` True there only, positions
         ``length`` (the next token's), ``tokens[row]`` = ``first`` [1] (the token chosen from the prompt's logits);
         with a history, ``prompt`` [length] and ``first`` as its first ``length + 1`` entries."""
-        st, pre = self.state, self.prefill
+        st, pre = self.state, self.prefill if source is None else source
         for i, conv in st.conv.items():
-            conv[row].copy_(pre.conv[i][0])
-            st.recurrent[i][row].copy_(pre.recurrent[i][0])
+            conv[row].copy_(pre.conv[i][index])
+            st.recurrent[i][row].copy_(pre.recurrent[i][index])
         lo = slot - length
         for kv, src in ((st.keys, pre.keys), (st.values, pre.values)):
             for i, t in kv.items():
-                t[row, :, lo:slot].copy_(src[i][0, :, pad : pad + length])
+                t[row, :, lo:slot].copy_(src[i][index, :, pad : pad + length])
         self._finish_row(row, slot, length, prompt, first)
 
     def load_stock_cache(self, row: int, slot: int, cache, length: int, prompt: torch.Tensor,

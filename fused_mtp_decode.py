@@ -39,8 +39,8 @@ from .fused_decode import rope_plan
 from .fused_graphs import WeightsSnapshot, capture_graph
 from .fused_layers import pack_linears
 
-# The MoE head (35B-A3B) drafts on the static drafter too: its sparse block by the MoE decode step's ops. Off until its
-# CUDA tests and the MoE speculative benchmark have run on a GPU (tested in the CPU emulation only); off, the MoE head
+# The MoE head (35B-A3B) drafts on the static drafter too: its sparse block by the MoE decode step's ops. Its CUDA
+# test passed (the tiny MoE shape, H100); off until the MoE speculative benchmark has run on a GPU; off, the MoE head
 # drafts with stock's layer, eagerly (3-20 ms a round at 35B-A3B on the H200, BENCHMARKS "Speculative decoding").
 STATIC_MOE_DRAFTS = False
 

@@ -163,10 +163,10 @@ class FusedRunner:
             kept.drop_stale_graphs()
             return kept
         keep = kept is not None and prefill_len <= kept.prefill_len <= max(2 * prefill_len, KEEP_PREFILL_TOKENS)
-        prefill = kept.prefill if keep else None
+        prefill, groups = (kept.prefill, kept.groups) if keep else (None, None)
         del kept  # the old rows are freed before the new ones are allocated (the budget counted them as free)
         self.drop_batch_state(keep_prefill=prefill is not None)
-        self.batch = BatchState(text_model, self.plan, rows, max_len, prefill_len, prefill)
+        self.batch = BatchState(text_model, self.plan, rows, max_len, prefill_len, prefill, groups)
         return self.batch
 
     def drop_batch_state(self, keep_prefill: bool = False) -> None:

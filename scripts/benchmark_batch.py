@@ -89,6 +89,26 @@ def bucket_warmup(requests: list, rows: int) -> list:
     return warm + [(short, 2 + i) for i in range(rows)]
 
 
+def group_warmups(requests: list) -> list[tuple[int, list]]:
+    """With ``fused_batch.PREFILL_GROUP`` > 1, the calls that capture the group prefill graphs a timed call uses, off
+    the clock: for each group batch b (2, 4, ... up to it), ``CAPTURE_AFTER`` x b prompts of each prompt-length bucket
+    (fewer where the workload has fewer), 2 new tokens each, run with ``PREFILL_GROUP`` = b so that they form groups
+    of b, and the request of the largest cache need (so that the call keeps the timed call's buffers). Returns
+    [(b, requests)]."""
+    batch_mod, graphs = import_module("fused_batch"), import_module("fused_graphs")
+    calls, b = [], 2
+    while b <= batch_mod.PREFILL_GROUP:
+        by_bucket = {}
+        for prompt, _ in requests:
+            picked = by_bucket.setdefault(graphs.forward_len_bucket(len(prompt)), [])
+            if len(picked) < graphs.CAPTURE_AFTER * b:
+                picked.append((prompt, 2))
+        calls.append((b, [r for picked in by_bucket.values() for r in picked]
+                      + [max(requests, key=lambda r: len(r[0]) + r[1])]))
+        b *= 2
+    return calls
+
+
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -137,7 +157,7 @@ def static_batches(model, requests: list, batch: int, device, progress: str) -> 
 @contextlib.contextmanager
 def time_parts(device):
     """Where a ``generate_batch`` run inside the block spends the GPU's time: CUDA events recorded around each of the
-    scheduler's prompt prefills (``BatchEngine._start``, ``_chunk``) and decode steps (``_decode``), read after the
+    scheduler's prompt prefills (``BatchEngine._start_group``, ``_chunk``) and decode steps (``_decode``), read after the
     run (no sync inside it). Yields a dict filled on exit: ``prefill_s``, ``decode_s`` (summed event spans),
     ``steps`` and ``mean_rows`` (the live requests a step ran). GPU only: the dict stays empty elsewhere."""
     parts = {}
@@ -146,7 +166,7 @@ def time_parts(device):
         return
     engine = import_module("fused_batch").BatchEngine
     marks, rows = {"prefill": [], "decode": []}, []
-    originals = {name: getattr(engine, name) for name in ("_start", "_chunk", "_decode")}
+    originals = {name: getattr(engine, name) for name in ("_start_group", "_chunk", "_decode")}
 
     def wrap(name, part):
         fn = originals[name]
@@ -164,7 +184,7 @@ def time_parts(device):
 
         return run
 
-    for name, part in (("_start", "prefill"), ("_chunk", "prefill"), ("_decode", "decode")):
+    for name, part in (("_start_group", "prefill"), ("_chunk", "prefill"), ("_decode", "decode")):
         setattr(engine, name, wrap(name, part))
     try:
         yield parts
@@ -450,6 +470,10 @@ def _batch_setting(args, results, name, fused, requests, subset, warm, rows, chu
     warm_set = bucket_warmup(requests, rows) if args.warm == "buckets" else warm
     start = time.perf_counter()
     continuous(fused, warm_set, rows, device, chunk)
+    for b, group_set in group_warmups(requests) if args.warm == "buckets" else []:
+        with ab_decode.constants([(batch_mod, "PREFILL_GROUP", b)]):
+            continuous(fused, group_set, rows, device, chunk)
+        warm_set = warm_set + group_set
     results.setdefault("warmup_s", {})[name] = (len(warm_set), time.perf_counter() - start)
     batch_run = continuous(fused, requests, rows, device, chunk)
     results["runs"][name] = cont_s = stats(batch_run, batch_run["tokens"])

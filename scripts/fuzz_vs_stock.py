@@ -183,7 +183,8 @@ def draw_call(rng: random.Random, max_len: int, kinds=CALL_KINDS, dtype: str = "
         call["lengths"] = [draw_length(rng, max_len) for _ in range(batch)]
         call["length"] = max(call["lengths"])
         call.update(padding=None, new_tokens=[rng.choice([1, 3, 9]) for _ in range(batch)],
-                    rows=rng.randint(1, batch), chunk=rng.choice([None, None, 16, 33, 64]))
+                    rows=rng.randint(1, batch), chunk=rng.choice([None, None, 16, 33, 64]),
+                    group=rng.choice([1, 2, 4]))
     return call
 
 
@@ -742,17 +743,23 @@ def _speculative_call(case, check, stock, fused, ids, both) -> None:
 
 
 def _batch_call(case, check, stock, fused, device, both) -> None:
-    """``generate_batch`` (greedy; rows, per-request token counts and prefill chunk drawn) against stock's greedy
-    ``generate`` of each prompt alone: each request's tokens, as for ``generate``."""
+    """``generate_batch`` (greedy; rows, per-request token counts, prefill chunk and ``PREFILL_GROUP`` drawn) against
+    stock's greedy ``generate`` of each prompt alone: each request's tokens, as for ``generate``."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     call, vocab = case["call"], case["config"]["vocab_size"]
     g = torch.Generator().manual_seed(call["data_seed"])
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in call["lengths"]]
-    out = fused.generate_batch(prompts, generation_config=GenerationConfig(do_sample=False, pad_token_id=0),
-                               max_new_tokens=list(call["new_tokens"]), prefill_chunk=call["chunk"],
-                               continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=call["rows"]))
+    batch_mod = import_module("fused_batch")
+    saved, batch_mod.PREFILL_GROUP = batch_mod.PREFILL_GROUP, call.get("group", batch_mod.PREFILL_GROUP)
+    try:
+        out = fused.generate_batch(
+            prompts, generation_config=GenerationConfig(do_sample=False, pad_token_id=0),
+            max_new_tokens=list(call["new_tokens"]), prefill_chunk=call["chunk"],
+            continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=call["rows"]))
+    finally:
+        batch_mod.PREFILL_GROUP = saved
     for i, (prompt, new) in enumerate(zip(prompts, call["new_tokens"])):
         ids = torch.tensor([prompt], device=device)
         with torch.inference_mode(), stock_reference(check.dtype == torch.float32 or device.type == "cpu"):

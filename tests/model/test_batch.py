@@ -96,6 +96,68 @@ def test_greedy_matches_batch_1_generate(kind, shifts):
     assert fused.describe()["decode"]["generate_batch"]["rows"] == 3
 
 
+GROUP_LENGTHS = (5, 1, 17, 9, 70, 3, 12, 100, 33, 2, 90, 64, 65, 40)
+GROUP_NEW = (6, 3, 12, 1, 8, 20, 5, 4, 9, 2, 7, 11, 1, 3)
+
+
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@cpu_emulated
+def test_prompts_of_one_bucket_prefilled_together_give_the_same_tokens(kind, group, monkeypatch, shifts):
+    """``PREFILL_GROUP``: prompts of one length bucket that join at one step run one forward (left-padded to the
+    longest, in batches of powers of two up to the group); every request's tokens stay a batch-1 ``generate``'s, and
+    a request of one token (never a row) inside a group too. With requests decoding, free rows wait until a group's
+    worth are free, so groups form after the first wave as well."""
+    monkeypatch.setattr(batch_mod, "PREFILL_GROUP", group)
+    graphs = import_module("fused_graphs")
+    calls = []
+    many = batch_mod.BatchEngine._start_many
+
+    def counting(self, reqs):
+        calls.append(([len(r.prompt) for r in reqs], len(self.live)))
+        return many(self, reqs)
+
+    monkeypatch.setattr(batch_mod.BatchEngine, "_start_many", counting)
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD) if kind == "dense" else stock_and_fused_moe_lm(seed=0, **SPREAD)
+    prompts = _prompts(GROUP_LENGTHS)
+    out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(GROUP_NEW),
+                               continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=5))
+    for (rid, got), prompt, new in zip(out.items(), prompts, GROUP_NEW):
+        assert got.status == RequestStatus.FINISHED and got.error is None, (rid, got.error)
+        assert got.generated_tokens == _reference(fused, prompt, new), rid
+    assert calls, "no prompts were prefilled together"
+    for lengths, _ in calls:
+        assert len(lengths) in (2, 4) and len(lengths) <= group
+        assert len({graphs.forward_len_bucket(n) for n in lengths}) == 1, lengths
+    assert any(live for _, live in calls), "no group formed while requests decoded"
+    assert max(len(lengths) for lengths, _ in calls) == group
+    groups = fused._text_model().runner.batch.groups
+    assert sorted(groups) == [b for b in (2, 4) if b <= group]
+
+
+@cpu_emulated
+def test_a_group_out_of_memory_prefills_each_prompt_alone(monkeypatch):
+    """A group's forward that runs out of memory gives way to each of its prompts alone: the same tokens."""
+    monkeypatch.setattr(batch_mod, "PREFILL_GROUP", 4)
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    prompts = _prompts((5, 9, 12, 3))
+    real = batch_state.BatchState.group_prefill
+    tried = []
+
+    def failing(self, text_model, plan, batch, prompt):
+        if batch > 1:
+            tried.append(batch)
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return real(self, text_model, plan, batch, prompt)
+
+    monkeypatch.setattr(batch_state.BatchState, "group_prefill", failing)
+    out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=5,
+                               continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=4))
+    assert tried == [4]
+    for got, prompt in zip(out.values(), prompts):
+        assert got.status == RequestStatus.FINISHED and got.generated_tokens == _reference(fused, prompt, 5)
+
+
 @cpu_emulated
 def test_a_call_at_new_sizes_keeps_the_prefill_state(monkeypatch):
     """A call whose rows or cache length differ from the last call's gets new rows over the same batch-1 prefill
@@ -834,6 +896,28 @@ def test_greedy_matches_batch_1_generate_cuda(kind):
     info = fused.describe()["decode"]["generate_batch"]
     assert 4 in info["row_buckets_captured"] and set(info["row_buckets_captured"]) <= {1, 2, 4}
     assert 64 in info["prompt_buckets_captured"]  # most prompts share the 64-token bucket: replayed from its second
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.cuda
+@pytest.mark.usefixtures("fused_on_gpu")
+def test_prompts_prefilled_together_match_batch_1_generate_cuda(kind, monkeypatch):
+    """``PREFILL_GROUP`` 4 in fp32 on three calls: the groups' prompt graphs (batch 2 and 4 per length bucket) run
+    eagerly, then are captured and replayed; every request's tokens those of a batch-1 fused ``generate``."""
+    monkeypatch.setattr(batch_mod, "PREFILL_GROUP", 4)
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD) if kind == "dense" else stock_and_fused_moe_lm(seed=0, **SPREAD)
+    fused = fused.cuda()
+    prompts = _prompts(GROUP_LENGTHS)
+    want = [_cuda_reference(fused, p, n) for p, n in zip(prompts, GROUP_NEW)]
+    cb = ContinuousBatchingConfig(max_requests_per_batch=6)
+    for _ in range(3):
+        out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(GROUP_NEW),
+                                   continuous_batching_config=cb)
+        for (rid, got), w in zip(out.items(), want):
+            assert got.status == RequestStatus.FINISHED, got.error
+            assert got.generated_tokens == w, rid
+    captured = fused.describe()["decode"]["generate_batch"]["group_prompt_buckets_captured"]
+    assert any(captured.values()), captured
 
 
 def _cuda_reference(model, prompt, new, **kw):

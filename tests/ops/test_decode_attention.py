@@ -262,14 +262,14 @@ def test_split_counts():
 
 
 def test_split_counts_when_the_rows_fill_the_card(monkeypatch):
-    """``_DA_CROWDED_PAIRS`` (off as shipped): from that many (row, KV head) pairs on, ``_DA_CROWDED_SPLITS`` splits a
+    """``_DA_CROWDED_PAIRS`` (256 as shipped): from that many (row, KV head) pairs on, ``_DA_CROWDED_SPLITS`` splits a
     pair at least in place of 32; fewer pairs keep the rule above."""
     splits = fused_ops_attention._decode_attention_splits
-    assert splits(5120, 1024) == 32  # off: 256 rows x 4 KV heads still take 32
-    monkeypatch.setattr(fused_ops_attention, "_DA_CROWDED_PAIRS", 256)
     assert [splits(5120, h) for h in (1024, 256, 255, 32, 4)] == [4, 4, 32, 32, 64]
     monkeypatch.setattr(fused_ops_attention, "_DA_CROWDED_SPLITS", 8)
     assert splits(5120, 1024) == 8 and splits(64, 1024) == 1
+    monkeypatch.setattr(fused_ops_attention, "_DA_CROWDED_PAIRS", 1 << 30)
+    assert splits(5120, 1024) == 32  # off: 256 rows x 4 KV heads take 32
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -321,6 +321,31 @@ def test_benchmark_batch_on_the_fused_scheduler_cpu(tmp_path, fused_on_cpu):
         assert run["tokens"] == sum(n for _, n in requests) and run["per_token_ms_p50"] > 0
 
 
+def test_benchmark_batch_warms_the_group_prefill_graphs(monkeypatch):
+    """With ``PREFILL_GROUP`` 4, a warm-up call per group batch (2, then 4): ``CAPTURE_AFTER`` x b prompts of each
+    length bucket (fewer where the workload has fewer) and the largest request (the timed call's buffers); none with
+    the group off."""
+    from scripts import benchmark_batch
+    from scripts.common import import_module
+
+    batch_mod, graphs = import_module("fused_batch"), import_module("fused_graphs")
+    requests = benchmark_batch.workload(64, (4, 300), (2, 12), 256, seed=0)
+    largest = max(requests, key=lambda r: len(r[0]) + r[1])
+    assert benchmark_batch.group_warmups(requests) == []
+    monkeypatch.setattr(batch_mod, "PREFILL_GROUP", 4)
+    calls = benchmark_batch.group_warmups(requests)
+    assert [b for b, _ in calls] == [2, 4]
+    for b, warm in calls:
+        assert warm[-1] == largest and all(n == 2 for _, n in warm[:-1])
+        counts = {}
+        for p, _ in warm[:-1]:
+            counts[graphs.forward_len_bucket(len(p))] = counts.get(graphs.forward_len_bucket(len(p)), 0) + 1
+        have = {}
+        for p, _ in requests:
+            have[graphs.forward_len_bucket(len(p))] = have.get(graphs.forward_len_bucket(len(p)), 0) + 1
+        assert counts == {k: min(v, graphs.CAPTURE_AFTER * b) for k, v in have.items()}
+
+
 def test_profile_chunked_prefill_runs_on_cpu(tmp_path):
     """The chunk profiler's plumbing at the tiny shape: a prompt in chunks of 16 (the last one shorter) and whole, a
     warm-up pass and the medians per chunk position, a host-time profile; the report names each chunk."""
