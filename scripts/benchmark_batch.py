@@ -159,14 +159,46 @@ def time_parts(device):
     """Where a ``generate_batch`` run inside the block spends the GPU's time: CUDA events recorded around each of the
     scheduler's prompt prefills (``BatchEngine._start_group``, ``_chunk``) and decode steps (``_decode``), read after the
     run (no sync inside it). Yields a dict filled on exit: ``prefill_s``, ``decode_s`` (summed event spans),
-    ``steps`` and ``mean_rows`` (the live requests a step ran). GPU only: the dict stays empty elsewhere."""
+    ``steps`` and ``mean_rows`` (the live requests a step ran), and ``prefill_by_batch``: per prefill batch (1: a
+    prompt alone, ``_start``; b > 1: a group of b, ``_start_many``) its calls, prompt tokens, GPU seconds (events
+    around each), us a prompt token, and how many of its prompt forwards replayed a captured graph or ran eagerly
+    (``PrefillGraph.run``). GPU only: the dict stays empty elsewhere."""
     parts = {}
     if device.type != "cuda":
         yield parts
         return
     engine = import_module("fused_batch").BatchEngine
+    prefill_graph = import_module("fused_graphs").PrefillGraph
     marks, rows = {"prefill": [], "decode": []}, []
     originals = {name: getattr(engine, name) for name in ("_start_group", "_chunk", "_decode")}
+    singles = {name: getattr(engine, name) for name in ("_start", "_start_many")}
+    graph_run = prefill_graph.run
+    by_batch = {}  # batch -> {"calls", "prompt_tokens", "spans", "replayed", "eager"}
+
+    def entry(batch):
+        return by_batch.setdefault(batch, {"calls": 0, "prompt_tokens": 0, "spans": [], "replayed": 0, "eager": 0})
+
+    def timed_prefill(name):
+        fn = singles[name]
+
+        def run(self, reqs, *args, **kwargs):
+            group = reqs if isinstance(reqs, list) else [reqs]
+            e = entry(len(group))
+            e["calls"] += 1
+            e["prompt_tokens"] += sum(len(r.prompt) for r in group)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return fn(self, reqs, *args, **kwargs)
+            finally:
+                end.record()
+                e["spans"].append((start, end))
+
+        return run
+
+    def counted_graph_run(self, text_model, cache, pool, capture, replay=True):
+        entry(self.ids.shape[0])["replayed" if self.graph and replay else "eager"] += 1
+        return graph_run(self, text_model, cache, pool, capture, replay)
 
     def wrap(name, part):
         fn = originals[name]
@@ -186,15 +218,24 @@ def time_parts(device):
 
     for name, part in (("_start_group", "prefill"), ("_chunk", "prefill"), ("_decode", "decode")):
         setattr(engine, name, wrap(name, part))
+    for name in singles:
+        setattr(engine, name, timed_prefill(name))
+    prefill_graph.run = counted_graph_run
     try:
         yield parts
     finally:
-        for name, fn in originals.items():
+        for name, fn in {**originals, **singles}.items():
             setattr(engine, name, fn)
+        prefill_graph.run = graph_run
     torch.cuda.synchronize(device)
     for part, spans in marks.items():
         parts[f"{part}_s"] = sum(a.elapsed_time(b) for a, b in spans) / 1e3
     parts["steps"], parts["mean_rows"] = len(rows), (statistics.fmean(rows) if rows else 0.0)
+    parts["prefill_by_batch"] = {}
+    for batch, e in sorted(by_batch.items()):
+        gpu_s = sum(a.elapsed_time(b) for a, b in e.pop("spans")) / 1e3
+        e.update(gpu_s=gpu_s, us_per_token=1e6 * gpu_s / max(1, e["prompt_tokens"]))
+        parts["prefill_by_batch"][batch] = e
 
 
 def continuous(model, requests: list, rows: int, device, prefill_chunk: int | None) -> dict:
@@ -367,6 +408,15 @@ def to_markdown(r: dict) -> str:
             rest = p["wall_s"] - p["prefill_s"] - p["decode_s"]
             lines.append(f"| {name} | {p['wall_s']:.2f} | {p['prefill_s']:.2f} | {p['decode_s']:.2f} | {rest:.2f} | "
                          f"{p['steps']} | {p['mean_rows']:.1f} |")
+        by_batch = [(name, b, e) for name, p in r["parts"].items() for b, e in p.get("prefill_by_batch", {}).items()]
+        if by_batch:
+            lines += ["", "Prompt prefills by batch (1: a prompt alone; b: a group of b prompts of one length bucket; "
+                      "GPU time between events around each; forwards replayed from a captured graph or run eagerly):",
+                      "", "| run | batch | calls | prompt tokens | GPU s | us a prompt token | replayed | eager |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for name, b, e in by_batch:
+                lines.append(f"| {name} | {b} | {e['calls']} | {e['prompt_tokens']} | {e['gpu_s']:.2f} | "
+                             f"{e['us_per_token']:.1f} | {e['replayed']} | {e['eager']} |")
     if r.get("warmup_s"):
         lines += ["", f"Warm-up before each generate_batch setting (--warm {r.get('warm')}, off the clock): "
                   + "; ".join(f"{name}: {n} requests, {s:.2f} s" for name, (n, s) in r["warmup_s"].items())]

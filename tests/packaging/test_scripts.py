@@ -346,6 +346,46 @@ def test_benchmark_batch_warms_the_group_prefill_graphs(monkeypatch):
         assert counts == {k: min(v, graphs.CAPTURE_AFTER * b) for k, v in have.items()}
 
 
+def test_benchmark_batch_times_the_prefills_by_group_batch(monkeypatch, fused_on_cpu):
+    """``time_parts`` on a (faked) CUDA device: events around every prompt prefill, by batch (1: alone, b: a group of
+    b), their calls and prompt tokens adding up to the requests', and the report's table of them."""
+    from types import SimpleNamespace
+
+    from helpers import stock_and_fused_lm
+    from scripts import benchmark_batch
+
+    class Event:  # each span reads 2 ms
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def elapsed_time(self, other):
+            return 2.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(import_module("fused_batch"), "PREFILL_GROUP", 4)
+    _, fused = stock_and_fused_lm(seed=0)
+    requests = [([5 + i] * n, 3) for i, n in enumerate((9, 10, 11, 12, 13, 70, 20))]
+    run = benchmark_batch.continuous(fused, requests, 8, SimpleNamespace(type="cuda"), None)
+    by_batch = run["parts"]["prefill_by_batch"]
+    # the 64-token bucket's prompts as [9, 10, 11, 12] and [13, 20] (20 found down the queue), 70 alone
+    assert sorted(by_batch) == [1, 2, 4]
+    assert [by_batch[b]["prompt_tokens"] for b in (1, 2, 4)] == [70, 33, 42]
+    assert by_batch[4] == {"calls": 1, "prompt_tokens": 42, "replayed": 0, "eager": 1, "gpu_s": 0.002,
+                           "us_per_token": 1e6 * 0.002 / 42}  # the emulation's prompt forwards: eager, no graphs
+    assert all(e["replayed"] + e["eager"] == e["calls"] for e in by_batch.values())
+    report = benchmark_batch.to_markdown({"model": "tiny", "dtype": "fp32", "device": "cpu", "requests": 7,
+                                          "prompt_range": (9, 70), "new_range": (3, 3), "seed": 0, "batch": 4,
+                                          "rows": [8], "prefill_chunk": [None], "batch_path": "fused scheduler",
+                                          "stock_requests": 0, "batch_only": True, "runs": {}, "ratios": {},
+                                          "parts": {"x": {"wall_s": 1.0, **run["parts"]}}, "decode_steps": {},
+                                          "failed": []})
+    assert "| x | 4 | 1 | 42 | 0.00 |" in report
+
+
 def test_profile_chunked_prefill_runs_on_cpu(tmp_path):
     """The chunk profiler's plumbing at the tiny shape: a prompt in chunks of 16 (the last one shorter) and whole, a
     warm-up pass and the medians per chunk position, a host-time profile; the report names each chunk."""
