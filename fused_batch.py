@@ -15,7 +15,7 @@ The scheduler (:class:`BatchEngine`) over the rows of a :class:`BatchState` (``f
    ``prefill_chunk``, at most that many prompt tokens run between two steps, and a longer prompt runs a chunk per
    step over a stock cache (:meth:`BatchEngine._chunk`) before it joins the same way, its chunk riding on the decode
    step while requests decode (``fused_batch_mixed``: one GEMM a projection over the decode rows and the chunk);
-   with ``PREFILL_GROUP`` > 1 (off: it measured slower), whole prompts of one length bucket that join at one step
+   with ``PREFILL_GROUP`` > 1 (off until measured), whole prompts of one length bucket that join at one step
    run one batched prefill (:meth:`BatchEngine._start_many`);
 2. one decode step for rows 0..n-1 (rows stay packed: a request that leaves hands its row to the last one), at the
    smallest row bucket >= n, replayed from that bucket's CUDA graph; first, the live span moves left when the slot has
@@ -77,9 +77,9 @@ PREFILL_CHUNK = None
 # (in batches of 2, 4, ... of them, each batch with its own prefill state and prompt graphs); 1: each prompt alone.
 # While requests decode and more wait, free rows are then filled once there are this many (or as many as wait): with
 # many rows about one request leaves a step, and prompts admitted one at a time would never share a forward.
-# Off: at 4 the prompts took 10.40 s of GPU time against 9.67 s alone (4B, 256 rows, H100, one process, every group
-# graph warmed), though a batch of 4 unpadded 1,024-token prompts ran at 16.0 us a token against 24.0 alone in
-# ``generate`` (``scripts/probe_prefill_batch.py``); not profiled yet (DESIGN).
+# Off until measured: its one A/B (4B, 256 rows, H100: prompts 10.40 s of GPU time against 9.67 s alone) ran 21
+# batch-1 prompt forwards cold (eager or capturing), which its warm-up had left uncaptured; a batch of 4 unpadded
+# 1,024-token prompts ran at 16.0 us a token against 24.0 alone in ``generate`` (``scripts/probe_prefill_batch.py``).
 PREFILL_GROUP = 1
 # How far down the waiting queue a group looks for prompts of its first prompt's length bucket (those it takes join
 # before the ones they pass).

@@ -91,22 +91,42 @@ def bucket_warmup(requests: list, rows: int) -> list:
 
 def group_warmups(requests: list) -> list[tuple[int, list]]:
     """With ``fused_batch.PREFILL_GROUP`` > 1, the calls that capture the group prefill graphs a timed call uses, off
-    the clock: for each group batch b (2, 4, ... up to it), ``CAPTURE_AFTER`` x b prompts of each prompt-length bucket
-    (fewer where the workload has fewer), 2 new tokens each, run with ``PREFILL_GROUP`` = b so that they form groups
-    of b, and the request of the largest cache need (so that the call keeps the timed call's buffers). Returns
-    [(b, requests)]."""
+    the clock: for each group batch b (2, 4, ... up to it), ``CAPTURE_AFTER`` calls (a bucket's graph is captured on
+    its second forward) of b prompts of each prompt-length bucket that has b, 2 new tokens each, run with
+    ``PREFILL_GROUP`` = b so that each bucket's prompts form one group of b, and the request of the largest cache need
+    (so that the call keeps the timed call's buffers). A bucket with fewer than b prompts never forms a group of b.
+    Returns [(b, requests)], one entry a call."""
     batch_mod, graphs = import_module("fused_batch"), import_module("fused_graphs")
+    largest = max(requests, key=lambda r: len(r[0]) + r[1])
     calls, b = [], 2
     while b <= batch_mod.PREFILL_GROUP:
         by_bucket = {}
         for prompt, _ in requests:
-            picked = by_bucket.setdefault(graphs.forward_len_bucket(len(prompt)), [])
-            if len(picked) < graphs.CAPTURE_AFTER * b:
-                picked.append((prompt, 2))
-        calls.append((b, [r for picked in by_bucket.values() for r in picked]
-                      + [max(requests, key=lambda r: len(r[0]) + r[1])]))
+            by_bucket.setdefault(graphs.forward_len_bucket(len(prompt)), []).append((prompt, 2))
+        group_set = [r for picked in by_bucket.values() if len(picked) >= b for r in picked[:b]] + [largest]
+        calls += [(b, group_set)] * graphs.CAPTURE_AFTER
         b *= 2
     return calls
+
+
+def warm_up(fused, requests: list, rows: int, device, chunk, warm: str, few: list) -> int:
+    """A ``generate_batch`` setting's first shapes, off the clock (``--warm``): ``buckets``, every prompt bucket, row
+    bucket and buffer size of the timed call (``bucket_warmup``, run with ``PREFILL_GROUP`` 1: the prompts alone,
+    each bucket's batch-1 graph captured), then with ``PREFILL_GROUP`` > 1 the groups' graphs (``group_warmups``);
+    ``few``, the requests ``few`` only. Returns the requests run."""
+    batch_mod = import_module("fused_batch")
+    if warm != "buckets":
+        continuous(fused, few, rows, device, chunk)
+        return len(few)
+    warm_set = bucket_warmup(requests, rows)
+    with ab_decode.constants([(batch_mod, "PREFILL_GROUP", 1)]):
+        continuous(fused, warm_set, rows, device, chunk)
+    count = len(warm_set)
+    for b, group_set in group_warmups(requests):
+        with ab_decode.constants([(batch_mod, "PREFILL_GROUP", b)]):
+            continuous(fused, group_set, rows, device, chunk)
+        count += len(group_set)
+    return count
 
 
 def sync(device) -> None:
@@ -157,8 +177,8 @@ def static_batches(model, requests: list, batch: int, device, progress: str) -> 
 @contextlib.contextmanager
 def time_parts(device):
     """Where a ``generate_batch`` run inside the block spends the GPU's time: CUDA events recorded around each of the
-    scheduler's prompt prefills (``BatchEngine._start_group``, ``_chunk``) and decode steps (``_decode``), read after the
-    run (no sync inside it). Yields a dict filled on exit: ``prefill_s``, ``decode_s`` (summed event spans),
+    scheduler's prompt prefills (``BatchEngine._start_group``, ``_chunk``) and decode steps (``_decode``), read after
+    the run (no sync inside it). Yields a dict filled on exit: ``prefill_s``, ``decode_s`` (summed event spans),
     ``steps`` and ``mean_rows`` (the live requests a step ran), and ``prefill_by_batch``: per prefill batch (1: a
     prompt alone, ``_start``; b > 1: a group of b, ``_start_many``) its calls, prompt tokens, GPU seconds (events
     around each), us a prompt token, and how many of its prompt forwards replayed a captured graph or ran eagerly
@@ -517,14 +537,9 @@ def _batch_setting(args, results, name, fused, requests, subset, warm, rows, chu
     log(name)
     batch_mod.MIXED_ON_GPU = ride  # read once per generate_batch call (BatchEngine.ride)
     # this setting's own first shapes, off the clock (the prompts' graphs stay for the run: kept across sizes)
-    warm_set = bucket_warmup(requests, rows) if args.warm == "buckets" else warm
     start = time.perf_counter()
-    continuous(fused, warm_set, rows, device, chunk)
-    for b, group_set in group_warmups(requests) if args.warm == "buckets" else []:
-        with ab_decode.constants([(batch_mod, "PREFILL_GROUP", b)]):
-            continuous(fused, group_set, rows, device, chunk)
-        warm_set = warm_set + group_set
-    results.setdefault("warmup_s", {})[name] = (len(warm_set), time.perf_counter() - start)
+    count = warm_up(fused, requests, rows, device, chunk, args.warm, warm)
+    results.setdefault("warmup_s", {})[name] = (count, time.perf_counter() - start)
     batch_run = continuous(fused, requests, rows, device, chunk)
     results["runs"][name] = cont_s = stats(batch_run, batch_run["tokens"])
     if batch_run["parts"]:
