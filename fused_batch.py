@@ -75,12 +75,16 @@ COMPACT_MIN = 256
 PREFILL_CHUNK = None
 # Whole prompts of one length bucket that join at one step are prefilled together, in one forward of up to this many
 # (in batches of 2, 4, ... of them, each batch with its own prefill state and prompt graphs); 1: each prompt alone.
-# While requests decode and more wait, free rows are then filled once there are this many (or as many as wait): with
-# many rows about one request leaves a step, and prompts admitted one at a time would never share a forward.
+# While requests decode and more wait, free rows are then filled once there are this many (or as many as wait; with
+# at least ``GROUP_HOLD_GROUPS`` groups of rows): with many rows about one request leaves a step, and prompts
+# admitted one at a time would never share a forward.
 # Off until measured: its one A/B (4B, 256 rows, H100: prompts 10.40 s of GPU time against 9.67 s alone) ran 21
 # batch-1 prompt forwards cold (eager or capturing), which its warm-up had left uncaptured; a batch of 4 unpadded
 # 1,024-token prompts ran at 16.0 us a token against 24.0 alone in ``generate`` (``scripts/probe_prefill_batch.py``).
 PREFILL_GROUP = 1
+# The free rows wait for a group's worth only where the rows are at least this many groups: there a few idle rows
+# cost little, with fewer rows each admission would wait on most of them.
+GROUP_HOLD_GROUPS = 8
 # How far down the waiting queue a group looks for prompts of its first prompt's length bucket (those it takes join
 # before the ones they pass).
 GROUP_LOOKAHEAD = 64
@@ -229,6 +233,8 @@ class BatchEngine:
         self.prefill_chunk = prefill_chunk  # prompt tokens prefilled between two decode steps (None: no limit)
         self.prefilling: Chunked | None = None  # the prompt being prefilled a chunk per step
         self.group = max(1, PREFILL_GROUP)  # whole prompts of one length bucket prefilled together, at most
+        # free rows wait for a group's worth (with requests decoding and more waiting): decided once
+        self.hold = self.group > 1 and buffers.rows >= GROUP_HOLD_GROUPS * self.group
         # chunks ride on the decode step (fused_batch_mixed) or, where they cannot, run before it: decided once
         self.ride = prefill_chunk is not None and _ride_blocker(text_model, buffers.state) is None
         self.layer_types = text_model.config.layer_types[: text_model.config.num_hidden_layers]
@@ -299,7 +305,7 @@ class BatchEngine:
             if self.prefilling is not None:
                 return
         while self.waiting and len(self.live) < self.buffers.rows:
-            if self.group > 1 and self.live and self.buffers.rows - len(self.live) < min(self.group, len(self.waiting)):
+            if self.hold and self.live and self.buffers.rows - len(self.live) < min(self.group, len(self.waiting)):
                 break  # fewer free rows than a group: they fill at a later step, together
             req = self.waiting[0]
             P = len(req.prompt)

@@ -184,7 +184,7 @@ def draw_call(rng: random.Random, max_len: int, kinds=CALL_KINDS, dtype: str = "
         call["length"] = max(call["lengths"])
         call.update(padding=None, new_tokens=[rng.choice([1, 3, 9]) for _ in range(batch)],
                     rows=rng.randint(1, batch), chunk=rng.choice([None, None, 16, 33, 64]),
-                    group=rng.choice([1, 2, 4]))
+                    group=rng.choice([1, 2, 4]), hold=rng.random() < 0.5)
     return call
 
 
@@ -743,8 +743,9 @@ def _speculative_call(case, check, stock, fused, ids, both) -> None:
 
 
 def _batch_call(case, check, stock, fused, device, both) -> None:
-    """``generate_batch`` (greedy; rows, per-request token counts, prefill chunk and ``PREFILL_GROUP`` drawn) against
-    stock's greedy ``generate`` of each prompt alone: each request's tokens, as for ``generate``."""
+    """``generate_batch`` (greedy; rows, per-request token counts, prefill chunk, ``PREFILL_GROUP`` and whether free
+    rows wait for a group drawn) against stock's greedy ``generate`` of each prompt alone: each request's tokens, as
+    for ``generate``."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -752,14 +753,17 @@ def _batch_call(case, check, stock, fused, device, both) -> None:
     g = torch.Generator().manual_seed(call["data_seed"])
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in call["lengths"]]
     batch_mod = import_module("fused_batch")
-    saved, batch_mod.PREFILL_GROUP = batch_mod.PREFILL_GROUP, call.get("group", batch_mod.PREFILL_GROUP)
+    saved = batch_mod.PREFILL_GROUP, batch_mod.GROUP_HOLD_GROUPS
+    batch_mod.PREFILL_GROUP = call.get("group", batch_mod.PREFILL_GROUP)
+    if call.get("hold"):  # the drawn rows are few: free rows wait for a group at any count
+        batch_mod.GROUP_HOLD_GROUPS = 0
     try:
         out = fused.generate_batch(
             prompts, generation_config=GenerationConfig(do_sample=False, pad_token_id=0),
             max_new_tokens=list(call["new_tokens"]), prefill_chunk=call["chunk"],
             continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=call["rows"]))
     finally:
-        batch_mod.PREFILL_GROUP = saved
+        batch_mod.PREFILL_GROUP, batch_mod.GROUP_HOLD_GROUPS = saved
     for i, (prompt, new) in enumerate(zip(prompts, call["new_tokens"])):
         ids = torch.tensor([prompt], device=device)
         with torch.inference_mode(), stock_reference(check.dtype == torch.float32 or device.type == "cpu"):

@@ -107,8 +107,9 @@ def test_prompts_of_one_bucket_prefilled_together_give_the_same_tokens(kind, gro
     """``PREFILL_GROUP``: prompts of one length bucket that join at one step run one forward (left-padded to the
     longest, in batches of powers of two up to the group); every request's tokens stay a batch-1 ``generate``'s, and
     a request of one token (never a row) inside a group too. With requests decoding, free rows wait until a group's
-    worth are free, so groups form after the first wave as well."""
+    worth are free (the hold, here at 5 rows), so groups form after the first wave as well."""
     monkeypatch.setattr(batch_mod, "PREFILL_GROUP", group)
+    monkeypatch.setattr(batch_mod, "GROUP_HOLD_GROUPS", 1)
     graphs = import_module("fused_graphs")
     calls = []
     many = batch_mod.BatchEngine._start_many
@@ -133,6 +134,34 @@ def test_prompts_of_one_bucket_prefilled_together_give_the_same_tokens(kind, gro
     assert max(len(lengths) for lengths, _ in calls) == group
     groups = fused._text_model().runner.batch.groups
     assert sorted(groups) == [b for b in (2, 4) if b <= group]
+
+
+@cpu_emulated
+def test_few_rows_do_not_wait_for_a_group(monkeypatch):
+    """Below ``GROUP_HOLD_GROUPS`` groups of rows a free row takes the next request at once (4 rows, groups of 4:
+    the hold would wait for every row to empty); the tokens stay batch-1 ``generate``'s."""
+    monkeypatch.setattr(batch_mod, "PREFILL_GROUP", 4)
+    waited = []
+    admit = batch_mod.BatchEngine._admit
+
+    def watching(self):
+        free = self.buffers.rows - len(self.live)
+        admit(self)
+        if self.live and free and self.waiting and self.buffers.rows - len(self.live) == free:
+            waited.append(free)  # free rows and waiting requests, yet nobody joined
+
+    monkeypatch.setattr(batch_mod.BatchEngine, "_admit", watching)
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    prompts = _prompts(GROUP_LENGTHS)
+    out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(GROUP_NEW),
+                               continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=4))
+    for got, prompt, new in zip(out.values(), prompts, GROUP_NEW):
+        assert got.generated_tokens == _reference(fused, prompt, new)
+    assert not waited
+    monkeypatch.setattr(batch_mod, "GROUP_HOLD_GROUPS", 1)  # the hold on: free rows do wait
+    fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(GROUP_NEW),
+                         continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=4))
+    assert waited
 
 
 @cpu_emulated
