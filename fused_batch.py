@@ -375,9 +375,9 @@ class BatchEngine:
         try:
             state = self.buffers.group_prefill(self.text_model, self.plan, len(reqs), longest)
             # ids and mask in one copy from the host (``device_tokens``: no wait for the GPU), left-padded
-            rows = [t for r, P in zip(reqs, lengths) for t in [0] * (longest - P) + list(r.prompt)]
-            rows += [int(j >= longest - P) for P in lengths for j in range(longest)]
-            ids, mask = device_tokens(rows, state.device).view(2, len(reqs), longest).unbind(0)
+            flat = [t for r, P in zip(reqs, lengths) for t in [0] * (longest - P) + list(r.prompt)]
+            flat += [int(j >= longest - P) for P in lengths for j in range(longest)]
+            ids, mask = device_tokens(flat, state.device).view(2, len(reqs), longest).unbind(0)
             positions = (mask.cumsum(-1) - 1).clamp_(min=0)
             cache = FusedDecodeCache(state, self.layer_types, self.plan.graphs, budget=longest + 1)
             out = self.runner.run_on_cache(self.text_model, cache, input_ids=ids, attention_mask=mask,

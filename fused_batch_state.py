@@ -124,13 +124,8 @@ class BatchState:
         self.prefill = DecodeState(text_model, plan, 1, self.prefill_len)
 
     def group_prefill(self, text_model, plan: FusedPlan, batch: int, prompt: int) -> DecodeState:
-        """The state ``batch`` prompts of up to ``prompt`` tokens are prefilled in together: the batch-1 ``prefill``
-        (grown when needed), or the group state of that batch (made, or remade longer, when needed; its prompt graphs
-        go with a remade one)."""
-        if batch == 1:
-            if prefill_len_for(prompt) > self.prefill_len:
-                self.grow_prefill(text_model, plan, prompt)
-            return self.prefill
+        """The state ``batch`` (> 1) prompts of up to ``prompt`` tokens are prefilled in together: the group state of
+        that batch, made (or remade longer, its prompt graphs going with the old one) when needed."""
         need = max(self.prefill_len, prefill_len_for(prompt))
         state = self.groups.get(batch)
         if state is None or state.max_len < need:
