@@ -46,10 +46,10 @@ from .fused_compat import (
     generation_output,
     prepare_special_tokens,
 )
+from .fused_batch_budget import allocate, size_buffers
 from .fused_batch_mixed import mixed_step, mixed_step_blocker
 from .fused_batch_rule import TokenRule, device_tokens, request_config
-from .fused_batch_state import prefill_len_for
-from .fused_decode import FusedDecodeCache, decode_len_bucket
+from .fused_decode import FusedDecodeCache
 from .fused_generate import graph_head, step_logits
 from .fused_graphs import FORWARD_GRAPH_MAX_LEN, forward_len_bucket
 from .fused_plan import announce
@@ -59,12 +59,6 @@ logger = logging.get_logger(__name__)
 # The host reads a step's tokens after it has queued the next step: it then waits on a step the GPU finished while it
 # ran the one after, never on the step it just queued. A request that stops on EOS runs this many steps more.
 READ_LAG = 1
-# Rows of the running batch when the caller sets none (``max_requests_per_batch``); at most the number of requests.
-DEFAULT_ROWS = 32
-# The cache holds twice the longest request (prompt + new tokens), in multiples of this: the live span then moves
-# left at most once every half cache of steps, and each move copies at most half a cache a row (one key and value
-# a row and step, amortized), however the requests come and go.
-CACHE_ROUND = 256
 # The live span also moves left when its dead prefix (keys of requests that left, which every step still reads) is at
 # least this long and at least half of the keys the step reads.
 COMPACT_MIN = 256
@@ -88,9 +82,6 @@ GROUP_HOLD_GROUPS = 8
 # How far down the waiting queue a group looks for prompts of its first prompt's length bucket (those it takes join
 # before the ones they pass).
 GROUP_LOOKAHEAD = 64
-# Fraction of the free GPU memory the buffers may take when the caller sets no budget (transformers' own default is
-# 0.8-0.9 of the free memory for its paged cache; the step's and the prefill's activations need the rest).
-DEFAULT_MEMORY_FRACTION = 0.8
 
 @dataclass(eq=False)
 class Request:
@@ -692,12 +683,6 @@ def _ride_blocker(text_model, state) -> str | None:
     return reason
 
 
-def block_tokens(cb_config) -> int:
-    """The tokens one cache block of ``cb_config`` holds: transformers 5.24 calls it ``page_size``, 5.17
-    ``block_size`` (both default 256)."""
-    return getattr(cb_config, "page_size", None) or getattr(cb_config, "block_size", None) or 256
-
-
 def batch_blocker(model, generation_config) -> str | None:
     """None when the requests can run on the fused path, else why not (they then run through ``generate``)."""
     reason = model.fused_plan.decode_reason
@@ -760,104 +745,6 @@ def make_requests(model, inputs, generation_config, cb_config, max_new_tokens, r
     return requests
 
 
-def _state_bytes(text_model) -> tuple[int, int]:
-    """(bytes of one cache token of one row over every attention layer, bytes of one row's DeltaNet states)."""
-    config = text_model.config
-    itemsize = text_model.embed_tokens.weight.element_size()
-    per_token = per_row = 0
-    for layer in text_model.layers[: config.num_hidden_layers]:
-        if layer.block_type == "linear_attention":
-            m = layer.linear_attn
-            per_row += m.conv_dim * m.conv_kernel_size * itemsize + m.num_v_heads * m.head_k_dim * m.head_v_dim * 4
-        else:
-            per_token += 2 * config.num_key_value_heads * layer.self_attn.head_dim * itemsize
-    return per_token, per_row
-
-
-def _device_free(device: torch.device) -> int | None:
-    """The device's free bytes once the allocator's unused cached blocks are released; None off CUDA."""
-    if device.type != "cuda":
-        return None
-    with torch.cuda.device(device):
-        torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info(device)[0]
-
-
-def free_bytes(text_model) -> int | None:
-    """The bytes a ``generate_batch`` call's buffers may come from, on CUDA (None elsewhere): the device's free
-    memory and the buffers the runner holds from an earlier call, which the new ones replace or are. Without the
-    held buffers, a call after one at other sizes saw its budget less the earlier buffers (measured on an H100 at 4B:
-    128 rows of 2,944 tokens, then a call at 256 rows got 1,216 tokens a row and the call after it none, so every
-    request failed)."""
-    free = _device_free(text_model.plan.device)
-    if free is None:
-        return None
-    held = text_model.runner.batch
-    return free + (held.nbytes() if held is not None else 0)
-
-
-def prefill_rows() -> int:
-    """Rows of the prefill states at most: the batch-1 state and a group state of each batch 2, 4, ... up to
-    ``PREFILL_GROUP``."""
-    return sum(1 << i for i in range(max(1, PREFILL_GROUP).bit_length()))
-
-
-def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_config) -> tuple[int, int, int]:
-    """(rows, cache tokens a row, prefill tokens) for ``count`` requests of at most ``need`` cache tokens each (prompt
-    + new - 1) under the caller's budget:
-
-    - rows: ``max_requests_per_batch``, else min(count, ``DEFAULT_ROWS``); more requests wait for a free row;
-    - cache: twice the longest request, in multiples of ``CACHE_ROUND``, at least ``MIN_DECODE_LEN``;
-    - a token budget ``num_blocks`` x ``page_size`` caps rows x cache (first the cache's headroom, down to the longest
-      request, then the rows unless the caller set them); on CUDA without it, ``max_memory_percent`` (else
-      ``DEFAULT_MEMORY_FRACTION``) of the free memory caps the buffers' bytes the same way. A request longer than a
-      row then fails alone, with an error naming the budget (said once when the budget cuts the sizes)."""
-    set_rows = getattr(cb_config, "max_requests_per_batch", None)
-    rows = set_rows or max(1, min(count, DEFAULT_ROWS))
-    max_len = max(decode_len_bucket(1), -(-2 * need // CACHE_ROUND) * CACHE_ROUND)
-    prefill_len = prefill_len_for(longest_prompt)
-    blocks = getattr(cb_config, "num_blocks", None)
-    per_token, per_row = _state_bytes(text_model)
-    free = None if blocks else free_bytes(text_model)
-    if blocks:
-        tokens = blocks * block_tokens(cb_config)
-    elif free is not None:
-        fraction = getattr(cb_config, "max_memory_percent", None) or DEFAULT_MEMORY_FRACTION
-        prefill_bytes = prefill_rows() * (prefill_len * per_token + per_row)
-        tokens = max(0, int(fraction * free) - prefill_bytes - rows * per_row) // max(1, per_token)
-    else:
-        return rows, max_len, prefill_len
-    if rows * max_len > tokens:
-        max_len = max(-(-need // 64) * 64, tokens // rows)
-        if rows * max_len > tokens and not set_rows:
-            rows = max(1, tokens // max_len)
-        max_len = min(max_len, max(64, tokens // rows // 64 * 64))
-        announce(f"batch-budget/{rows}/{max_len}",
-                 f"Qwen3.5 fused kernels: generate_batch runs {rows} requests at a time with {max_len} cache tokens "
-                 f"each, the budget of {tokens} tokens; the others wait for a free row.")
-    return rows, max_len, prefill_len
-
-
-def _allocate(text_model, rows: int, max_len: int, prefill_len: int):
-    """The runner's batch buffers, halving the rows on an out-of-memory error (the requests beyond them wait);
-    a one-line error when even one row does not fit (nothing has run yet)."""
-    runner = text_model.runner
-    while True:
-        try:
-            return runner.batch_state(text_model, rows, max_len, prefill_len)
-        except torch.OutOfMemoryError:
-            runner.drop_batch_state()
-            torch.cuda.empty_cache()
-            if rows == 1:
-                raise RuntimeError(
-                    f"generate_batch: one row of {max_len} cache tokens does not fit in GPU memory; pass a "
-                    "continuous_batching_config with a smaller num_blocks or max_memory_percent, or shorter requests."
-                ) from None
-            rows //= 2
-            announce(f"batch-oom/{rows}", f"Qwen3.5 fused kernels: generate_batch's buffers did not fit in GPU "
-                     f"memory; running {rows} requests at a time.")
-
-
 def build_engine(model, generation_config, cb_config, need: int, count: int, longest_prompt: int,
                  stream: bool = False, given_config=None, prefill_chunk: int | None = None):
     """The engine for requests of at most ``need`` cache tokens (``count`` of them, the longest prompt
@@ -885,8 +772,8 @@ def build_engine(model, generation_config, cb_config, need: int, count: int, lon
         raise ValueError(f"prefill_chunk must be a positive number of tokens, got {chunk}.")
     if chunk is not None:  # longer prompts never go through the batch-1 prefill state
         longest_prompt = min(longest_prompt, chunk)
-    rows, max_len, prefill_len = size_buffers(text_model, need, count, longest_prompt, cb_config)
-    buffers = _allocate(text_model, rows, max_len, prefill_len)
+    rows, max_len, prefill_len = size_buffers(text_model, need, count, longest_prompt, cb_config, PREFILL_GROUP)
+    buffers = allocate(text_model, rows, max_len, prefill_len)
     rule = TokenRule(model, generation_config, device, logprobs, [0])
     return BatchEngine(model, text_model, buffers, rule, getattr(cb_config, "max_batch_tokens", None), stream,
                        chunk)

@@ -13,7 +13,7 @@ returns this manager instead, with the methods of transformers' (``start``, ``ad
         for output in manager.request_id_iter(rid):   # a GenerationOutput after each token, the last one finished
             print(output.generated_tokens)
 
-The buffers are sized once, at ``start``: ``max_requests_per_batch`` rows (else ``fused_batch.DEFAULT_ROWS``) and a
+The buffers are sized once, at ``start``: ``max_requests_per_batch`` rows (else ``fused_batch_budget.DEFAULT_ROWS``) and a
 cache of ``num_blocks`` x ``page_size`` tokens over them (else ``DEFAULT_CACHE_TOKENS`` a row, within
 ``max_memory_percent`` of the free GPU memory); a request longer than a row fails alone, with an error naming the
 budget. The thread holds the model's lock for one scheduler step at a time, so ``generate`` and forwards from other
@@ -26,7 +26,8 @@ import threading
 import torch
 from transformers.utils import logging
 
-from .fused_batch import Request, base_seed, block_tokens, build_engine, eos_tokens, new_tokens
+from .fused_batch import Request, base_seed, build_engine, eos_tokens, new_tokens
+from .fused_batch_budget import block_tokens
 from .fused_batch_rule import SAMPLING_KEYS, sampling_settings
 from .fused_compat import RequestStatus, complete_generation_config
 from .fused_plan import announce

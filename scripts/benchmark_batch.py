@@ -309,7 +309,7 @@ def step_bytes(model, rows: int, context: int) -> dict:
     """Bytes one decode step of ``rows`` rows at ``context`` keys a row must move: the weights it reads (for MoE the
     experts ``rows`` tokens pick in expectation, uniform routing), the keys / values, the DeltaNet states read and
     written."""
-    batch = import_module("fused_batch")
+    budget = import_module("fused_batch_budget")
     text = model._text_model()
     weights = experts = 0
     for name, p in text.layers.named_parameters():
@@ -322,7 +322,7 @@ def step_bytes(model, rows: int, context: int) -> dict:
     if experts:
         E, k = config.num_experts, config.num_experts_per_tok
         experts = experts * (1 - (1 - k / E) ** rows)  # the expected fraction of experts some row picks
-    per_token, per_row = batch._state_bytes(text)
+    per_token, per_row = budget.state_bytes(text)
     return {"weights": weights + experts, "kv": rows * context * per_token, "state": 2 * rows * per_row}
 
 

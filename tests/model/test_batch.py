@@ -36,6 +36,7 @@ from helpers import generate_stock, stock_and_fused_lm, stock_and_fused_moe_lm
 from scripts.common import import_module
 
 batch_mod = import_module("fused_batch")
+budget_mod = import_module("fused_batch_budget")
 batch_state = import_module("fused_batch_state")
 decode_mod = import_module("fused_decode")
 
@@ -223,12 +224,12 @@ def test_the_buffers_a_call_replaces_count_as_free(monkeypatch):
     _, fused = stock_and_fused_lm(seed=0, **SPREAD)
     text = fused._text_model()
     runner = text.runner
-    per_token, per_row = batch_mod._state_bytes(text)
+    per_token, per_row = budget_mod.state_bytes(text)
     prompts = _prompts((70, 5, 17))
     prefill_bytes = batch_state.prefill_len_for(70) * per_token + per_row
-    device_free = (1000 * per_token + prefill_bytes + 3 * per_row) / batch_mod.DEFAULT_MEMORY_FRACTION + per_token
+    device_free = (1000 * per_token + prefill_bytes + 3 * per_row) / budget_mod.DEFAULT_MEMORY_FRACTION + per_token
     held = lambda: runner.batch.nbytes() if runner.batch is not None else 0  # noqa: E731
-    monkeypatch.setattr(batch_mod, "_device_free", lambda device: int(device_free) - held())
+    monkeypatch.setattr(budget_mod, "_device_free", lambda device: int(device_free) - held())
 
     def run(rows):
         out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=6,

@@ -1,0 +1,125 @@
+# Copyright 2026 The Qwen3.5 fused-kernels authors. Licensed under the Apache License, Version 2.0.
+"""How big ``generate_batch``'s buffers are (``fused_batch``): rows, cache tokens a row and prefill tokens from the
+requests and the caller's budget (``continuous_batching_config``'s ``num_blocks`` x ``page_size``, or on CUDA a
+fraction of the free memory), and their allocation, halving the rows when they do not fit."""
+
+import torch
+
+from .fused_batch_state import prefill_len_for
+from .fused_decode import decode_len_bucket
+from .fused_plan import announce
+
+# Rows of the running batch when the caller sets none (``max_requests_per_batch``); at most the number of requests.
+DEFAULT_ROWS = 32
+# The cache holds twice the longest request (prompt + new tokens), in multiples of this: the live span then moves
+# left at most once every half cache of steps, and each move copies at most half a cache a row (one key and value
+# a row and step, amortized), however the requests come and go.
+CACHE_ROUND = 256
+# Fraction of the free GPU memory the buffers may take when the caller sets no budget (transformers' own default is
+# 0.8-0.9 of the free memory for its paged cache; the step's and the prefill's activations need the rest).
+DEFAULT_MEMORY_FRACTION = 0.8
+
+
+def block_tokens(cb_config) -> int:
+    """The tokens one cache block of ``cb_config`` holds: transformers 5.24 calls it ``page_size``, 5.17
+    ``block_size`` (both default 256)."""
+    return getattr(cb_config, "page_size", None) or getattr(cb_config, "block_size", None) or 256
+
+
+def state_bytes(text_model) -> tuple[int, int]:
+    """(bytes of one cache token of one row over every attention layer, bytes of one row's DeltaNet states)."""
+    config = text_model.config
+    itemsize = text_model.embed_tokens.weight.element_size()
+    per_token = per_row = 0
+    for layer in text_model.layers[: config.num_hidden_layers]:
+        if layer.block_type == "linear_attention":
+            m = layer.linear_attn
+            per_row += m.conv_dim * m.conv_kernel_size * itemsize + m.num_v_heads * m.head_k_dim * m.head_v_dim * 4
+        else:
+            per_token += 2 * config.num_key_value_heads * layer.self_attn.head_dim * itemsize
+    return per_token, per_row
+
+
+def _device_free(device: torch.device) -> int | None:
+    """The device's free bytes once the allocator's unused cached blocks are released; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    with torch.cuda.device(device):
+        torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def free_bytes(text_model) -> int | None:
+    """The bytes a ``generate_batch`` call's buffers may come from, on CUDA (None elsewhere): the device's free
+    memory and the buffers the runner holds from an earlier call, which the new ones replace or are. Without the
+    held buffers, a call after one at other sizes saw its budget less the earlier buffers (measured on an H100 at 4B:
+    128 rows of 2,944 tokens, then a call at 256 rows got 1,216 tokens a row and the call after it none, so every
+    request failed)."""
+    free = _device_free(text_model.plan.device)
+    if free is None:
+        return None
+    held = text_model.runner.batch
+    return free + (held.nbytes() if held is not None else 0)
+
+
+def prefill_rows(group: int) -> int:
+    """Rows of the prefill states at most: the batch-1 state and a group state of each batch 2, 4, ... up to
+    ``group`` (``fused_batch.PREFILL_GROUP``)."""
+    return sum(1 << i for i in range(max(1, group).bit_length()))
+
+
+def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_config,
+                 group: int = 1) -> tuple[int, int, int]:
+    """(rows, cache tokens a row, prefill tokens) for ``count`` requests of at most ``need`` cache tokens each (prompt
+    + new - 1) under the caller's budget, with prefill states for groups of up to ``group`` prompts:
+
+    - rows: ``max_requests_per_batch``, else min(count, ``DEFAULT_ROWS``); more requests wait for a free row;
+    - cache: twice the longest request, in multiples of ``CACHE_ROUND``, at least ``MIN_DECODE_LEN``;
+    - a token budget ``num_blocks`` x ``page_size`` caps rows x cache (first the cache's headroom, down to the longest
+      request, then the rows unless the caller set them); on CUDA without it, ``max_memory_percent`` (else
+      ``DEFAULT_MEMORY_FRACTION``) of the free memory caps the buffers' bytes the same way. A request longer than a
+      row then fails alone, with an error naming the budget (said once when the budget cuts the sizes)."""
+    set_rows = getattr(cb_config, "max_requests_per_batch", None)
+    rows = set_rows or max(1, min(count, DEFAULT_ROWS))
+    max_len = max(decode_len_bucket(1), -(-2 * need // CACHE_ROUND) * CACHE_ROUND)
+    prefill_len = prefill_len_for(longest_prompt)
+    blocks = getattr(cb_config, "num_blocks", None)
+    per_token, per_row = state_bytes(text_model)
+    free = None if blocks else free_bytes(text_model)
+    if blocks:
+        tokens = blocks * block_tokens(cb_config)
+    elif free is not None:
+        fraction = getattr(cb_config, "max_memory_percent", None) or DEFAULT_MEMORY_FRACTION
+        prefill_bytes = prefill_rows(group) * (prefill_len * per_token + per_row)
+        tokens = max(0, int(fraction * free) - prefill_bytes - rows * per_row) // max(1, per_token)
+    else:
+        return rows, max_len, prefill_len
+    if rows * max_len > tokens:
+        max_len = max(-(-need // 64) * 64, tokens // rows)
+        if rows * max_len > tokens and not set_rows:
+            rows = max(1, tokens // max_len)
+        max_len = min(max_len, max(64, tokens // rows // 64 * 64))
+        announce(f"batch-budget/{rows}/{max_len}",
+                 f"Qwen3.5 fused kernels: generate_batch runs {rows} requests at a time with {max_len} cache tokens "
+                 f"each, the budget of {tokens} tokens; the others wait for a free row.")
+    return rows, max_len, prefill_len
+
+
+def allocate(text_model, rows: int, max_len: int, prefill_len: int):
+    """The runner's batch buffers, halving the rows on an out-of-memory error (the requests beyond them wait);
+    a one-line error when even one row does not fit (nothing has run yet)."""
+    runner = text_model.runner
+    while True:
+        try:
+            return runner.batch_state(text_model, rows, max_len, prefill_len)
+        except torch.OutOfMemoryError:
+            runner.drop_batch_state()
+            torch.cuda.empty_cache()
+            if rows == 1:
+                raise RuntimeError(
+                    f"generate_batch: one row of {max_len} cache tokens does not fit in GPU memory; pass a "
+                    "continuous_batching_config with a smaller num_blocks or max_memory_percent, or shorter requests."
+                ) from None
+            rows //= 2
+            announce(f"batch-oom/{rows}", f"Qwen3.5 fused kernels: generate_batch's buffers did not fit in GPU "
+                     f"memory; running {rows} requests at a time.")
