@@ -15,8 +15,8 @@ The scheduler (:class:`BatchEngine`) over the rows of a :class:`BatchState` (``f
    ``prefill_chunk``, at most that many prompt tokens run between two steps, and a longer prompt runs a chunk per
    step over a stock cache (:meth:`BatchEngine._chunk`) before it joins the same way, its chunk riding on the decode
    step while requests decode (``fused_batch_mixed``: one GEMM a projection over the decode rows and the chunk);
-   with ``PREFILL_GROUP`` > 1 (off until measured), whole prompts of one length bucket that join at one step
-   run one batched prefill (:meth:`BatchEngine._start_many`);
+   whole prompts of one length bucket that join at one step run one batched prefill, up to ``PREFILL_GROUP`` of
+   them (:meth:`BatchEngine._start_many`);
 2. one decode step for rows 0..n-1 (rows stay packed: a request that leaves hands its row to the last one), at the
    smallest row bucket >= n, replayed from that bucket's CUDA graph; first, the live span moves left when the slot has
    reached the end of the cache or the dead prefix has grown to half of what the step reads;
@@ -72,13 +72,14 @@ PREFILL_CHUNK = None
 # While requests decode and more wait, free rows are then filled once there are this many (or as many as wait; with
 # at least ``GROUP_HOLD_GROUPS`` groups of rows): with many rows about one request leaves a step, and prompts
 # admitted one at a time would never share a forward.
-# Off until measured: its one A/B (4B, 256 rows, H100: prompts 10.40 s of GPU time against 9.67 s alone) ran 21
-# batch-1 prompt forwards cold (eager or capturing), which its warm-up had left uncaptured; a batch of 4 unpadded
-# 1,024-token prompts ran at 16.0 us a token against 24.0 alone in ``generate`` (``scripts/probe_prefill_batch.py``).
-PREFILL_GROUP = 1
-# The free rows wait for a group's worth only where the rows are at least this many groups: there a few idle rows
-# cost little, with fewer rows each admission would wait on most of them.
-GROUP_HOLD_GROUPS = 8
+# 4: at 4B, 256 rows, on an H100 (one process, every bucket warmed; docs/BENCHMARKS.md) the 512 prompts took 8.58 s of
+# GPU time in groups of up to 4 (16.2 us a prompt token in the batches of 4), 8.80 s in groups of up to 2 and 9.58 s
+# alone (18.5 us), and the run 20.81 / 21.02 / 21.82 s: 3.13x / 3.10x / 2.98x the static batches.
+PREFILL_GROUP = 4
+# The free rows wait for a group's worth only where the rows are at least this many groups (64 rows with groups of
+# 4): there the few idle rows cost a small share of a step's tokens; with fewer rows each admission would wait on a
+# larger share of them, and the wait is measured at 256 rows only.
+GROUP_HOLD_GROUPS = 16
 # How far down the waiting queue a group looks for prompts of its first prompt's length bucket (those it takes join
 # before the ones they pass).
 GROUP_LOOKAHEAD = 64

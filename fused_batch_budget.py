@@ -90,7 +90,8 @@ def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_conf
         tokens = blocks * block_tokens(cb_config)
     elif free is not None:
         fraction = getattr(cb_config, "max_memory_percent", None) or DEFAULT_MEMORY_FRACTION
-        prefill_bytes = prefill_rows(group) * (prefill_len * per_token + per_row)
+        # a group never outnumbers the rows or the requests (``BatchEngine._partners``)
+        prefill_bytes = prefill_rows(min(group, rows, count)) * (prefill_len * per_token + per_row)
         tokens = max(0, int(fraction * free) - prefill_bytes - rows * per_row) // max(1, per_token)
     else:
         return rows, max_len, prefill_len

@@ -226,7 +226,9 @@ def test_the_buffers_a_call_replaces_count_as_free(monkeypatch):
     runner = text.runner
     per_token, per_row = budget_mod.state_bytes(text)
     prompts = _prompts((70, 5, 17))
-    prefill_bytes = batch_state.prefill_len_for(70) * per_token + per_row
+    # the prefill states: the batch-1 one and, with groups, one of 2 (3 prompts: no group of 4)
+    states = budget_mod.prefill_rows(min(batch_mod.PREFILL_GROUP, 3))
+    prefill_bytes = states * (batch_state.prefill_len_for(70) * per_token + per_row)
     device_free = (1000 * per_token + prefill_bytes + 3 * per_row) / budget_mod.DEFAULT_MEMORY_FRACTION + per_token
     held = lambda: runner.batch.nbytes() if runner.batch is not None else 0  # noqa: E731
     monkeypatch.setattr(budget_mod, "_device_free", lambda device: int(device_free) - held())
@@ -289,18 +291,24 @@ def test_the_live_span_moves_left_when_the_cache_fills(monkeypatch, shifts):
         assert got.generated_tokens == _reference(fused, prompt, n), rid
 
 
+LENGTHS_NEW = (9, 20, 40, 4, 15, 3), [40, 30, 20, 44, 30, 7]
+
+
+@pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("windows", [False, True], ids=["marks", "windows"])
 @pytest.mark.parametrize("chunk", [None, 33])
 @cpu_emulated
-def test_each_step_reads_the_live_rows_own_windows(monkeypatch, shifts, chunk, windows):
+def test_each_step_reads_the_live_rows_own_windows(monkeypatch, shifts, chunk, windows, group):
     """Before every step: each live row's ``row_start`` is its window's first valid key and its valid keys run from
     there to the slot without a gap (the attention reads the window as a range), every free row's is the cache
     length (its attention reads nothing), and ``live`` counts the live rows (the DeltaNet step skips the others),
-    through joins, span moves both ways, row moves and EOS; with whole and chunked prompts. The tokens are batch-1
+    through joins, span moves both ways, row moves and EOS; with whole and chunked prompts, alone and prefilled in
+    groups (``PREFILL_GROUP``). The tokens are batch-1
     generate's with the step's attention through the valid marks and through the windows as ranges
     (``fused_decode.ROW_WINDOWS``), which the step then asks for on every call."""
     monkeypatch.setattr(batch_state, "SHIFT_CHUNK", 3)
     monkeypatch.setattr(decode_mod, "ROW_WINDOWS", windows)
+    monkeypatch.setattr(batch_mod, "PREFILL_GROUP", group)
     _, fused = stock_and_fused_lm(seed=1, **SPREAD)
     asked = set()
     ops = fused._text_model().plan.ops
@@ -331,13 +339,21 @@ def test_each_step_reads_the_live_rows_own_windows(monkeypatch, shifts, chunk, w
         checked.append(n)
 
     monkeypatch.setattr(batch_mod.BatchEngine, "_decode", checking)
-    lengths, new = (20, 9, 40, 4, 15, 3), [30, 40, 20, 44, 30, 7]
+    grouped, start_many = [], batch_mod.BatchEngine._start_many
+
+    def recording(self, reqs):
+        grouped.append(len(reqs))
+        return start_many(self, reqs)
+
+    monkeypatch.setattr(batch_mod.BatchEngine, "_start_many", recording)
+    lengths, new = LENGTHS_NEW
     prompts = _prompts(lengths, seed=4)
     cb = _cb_config(max_requests_per_batch=3, num_blocks=2, page_size=64)
     out = fused.generate_batch(prompts, generation_config=_greedy(eos_token_id=[17, 255]), max_new_tokens=new,
                                continuous_batching_config=cb, prefill_chunk=chunk)
     assert any(d < 0 for d in shifts) and any(d > 0 for d in shifts)
     assert {1, 2, 3} <= set(checked)
+    assert bool(grouped) == (group > 1), grouped  # with groups, rows were loaded from a group's prefill state
     assert asked == {windows}
     for (rid, got), prompt, n in zip(out.items(), prompts, new):
         assert got.generated_tokens == _reference(fused, prompt, n, eos_token_id=[17, 255]), rid
@@ -514,7 +530,7 @@ def test_a_request_cancelled_while_its_prompt_is_chunked_ends_alone():
     """Cancelled between two chunks of its prompt, a request ends failed with no token; the prompt behind it and the
     running request go on with batch-1 tokens."""
     _, fused = stock_and_fused_lm(seed=0, **SPREAD)
-    prompts = _prompts((9, 150, 12), seed=10)
+    prompts = _prompts((9, 150, 70), seed=10)  # 9 and 70 in two length buckets: no group forms
     config = batch_mod.complete_generation_config(fused, _greedy())
     cb = ContinuousBatchingConfig(max_requests_per_batch=2)
     with torch.inference_mode(), fused._text_model().runner.lock:
@@ -1057,10 +1073,12 @@ def test_memory_budget_cuda(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.usefixtures("fused_on_gpu")
 def test_steps_do_not_wait_for_the_gpu_cuda(monkeypatch):
-    """Once the row buckets' and prompt buckets' graphs are captured (a first call), no scheduler step of a second
-    call makes a synchronizing CUDA call (``torch.cuda.set_sync_debug_mode("error")`` inside ``BatchEngine.step``: no
-    ``.item()``, no pageable or blocking transfer; the read-back waits on its events only, which the mode does not
-    count), and the token read-back reuses a few pinned host buffers rather than allocating per step."""
+    """Once the row buckets' and prompt buckets' graphs are captured (two calls: a prompt bucket's graph, a group's
+    too with ``PREFILL_GROUP``, is captured on its second forward, and a group of a bucket forms once a call here), no
+    scheduler step of the next call makes a synchronizing CUDA call (``torch.cuda.set_sync_debug_mode("error")``
+    inside ``BatchEngine.step``: no ``.item()``, no pageable or blocking transfer; the read-back waits on its events
+    only, which the mode does not count), and the token read-back reuses a few pinned host buffers rather than
+    allocating per step."""
     _, fused = stock_and_fused_lm(seed=0, **SPREAD)
     fused = fused.cuda()
     prompts = _prompts((5, 1, 17, 9, 60, 3, 12, 33, 2))
@@ -1074,8 +1092,9 @@ def test_steps_do_not_wait_for_the_gpu_cuda(monkeypatch):
 
     monkeypatch.setattr(batch_mod.Readback, "__init__", recording)
     cb = ContinuousBatchingConfig(max_requests_per_batch=4, seed=0)
-    first = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=new,
-                                 continuous_batching_config=cb)
+    for _ in range(2):
+        first = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=new,
+                                     continuous_batching_config=cb)
     step = batch_mod.BatchEngine.step
 
     def strict_step(self):

@@ -329,6 +329,7 @@ def test_benchmark_batch_warms_the_group_prefill_graphs(monkeypatch):
     batch_mod, graphs = import_module("fused_batch"), import_module("fused_graphs")
     requests = benchmark_batch.workload(64, (4, 300), (2, 12), 256, seed=0)
     largest = max(requests, key=lambda r: len(r[0]) + r[1])
+    monkeypatch.setattr(batch_mod, "PREFILL_GROUP", 1)
     assert benchmark_batch.group_warmups(requests) == []
     monkeypatch.setattr(batch_mod, "PREFILL_GROUP", 4)
     calls = benchmark_batch.group_warmups(requests)
