@@ -27,6 +27,12 @@ MIN_DECODE_LEN = 256
 # the valid marks, as generate's rows. On: it took 3.4% off generate_batch's decode steps (4B, 256 rows, H100, one
 # process: 12.64 against 13.08 s over one workload; DESIGN).
 ROW_WINDOWS = True
+# The speculative verify pass over T tokens at batch 1 runs each attention layer's prep and attention once for the T
+# tokens (True: ``attn_prep`` writes their keys at slot .. slot + T - 1, and ``decode_attention`` takes them as T
+# rows over the one cache row, each through its own causal marks) instead of once per token (False: 2T launches a
+# layer, 64 at 4B for T = 4 over its 8 attention layers, in a pass of ~4 ms). Off until timed on a GPU
+# (``scripts/benchmark_speculative.py --set fused_decode.VERIFY_ATTENTION_AT_ONCE=True``); CPU-tested both ways.
+VERIFY_ATTENTION_AT_ONCE = False
 
 
 def decode_len_bucket(needed: int) -> int:
@@ -387,10 +393,21 @@ class DecodeState:
             slots.append(slot)
             ropes.append((cos, sin))
         conv_saved, recurrent_saved = {}, {}
+        at_once = None
+        if VERIFY_ATTENTION_AT_ONCE and B == 1 and T > 1 and not self.multi_device:
+            # the T tokens as T rows over the one cache row: token t's marks are the row's up to slot + t
+            L = self.key_valid.shape[1]
+            ends = slot0 + torch.arange(T, device=self.key_valid.device)  # [T]
+            marks = self.key_valid[:1] & (torch.arange(L, device=ends.device)[None, :] <= ends[:, None])  # [T, L]
+            cos = torch.cat([c.reshape(1, 1, -1) for c, _ in ropes], dim=1)  # [1, T, R]
+            sin = torch.cat([s_.reshape(1, 1, -1) for _, s_ in ropes], dim=1)
+            at_once = (marks, cos, sin)
 
         def mix(layer, x, i):
             if layer.block_type == "linear_attention":
                 return self._deltanet_verify(layer.linear_attn, x, i, B, T, conv_saved, recurrent_saved)
+            if at_once is not None:
+                return self._attention_verify_at_once(layer.self_attn, x, i, T, slots, at_once)
             return self._attention_verify(layer.self_attn, x, i, B, T, slots, ropes)
 
         hidden = run_layers(text_model, ops, h, mix, lambda layer, x: self._mlp_step(layer.mlp, x)).view(B, T, -1)
@@ -435,6 +452,22 @@ class DecodeState:
                                                   gate.view(B, H * D), m.scaling))
         o = torch.stack(outs, dim=1).view(B * T, H * D)
         return step_linear(self.ops, o, m.o_proj.weight, m.o_proj.bias).view(B * T, 1, -1)
+
+    def _attention_verify_at_once(self, m, x, i, T, slots, at_once):
+        """:meth:`_attention_verify` at batch 1 in two launches for the T tokens (``VERIFY_ATTENTION_AT_ONCE``):
+        ``attn_prep`` writes their K/V at slot .. slot + T - 1, then ``decode_attention`` runs them as T rows over
+        the cache's one row (its keys and values seen T times through a batch stride of 0), row t through ``marks``
+        [T, L] (the row's valid keys up to slot + t) and up to the last token's slot."""
+        H, KV, D = m.config.num_attention_heads, m.config.num_key_value_heads, m.head_dim
+        marks, cos, sin = at_once
+        w, bias = m.packed_weight()
+        qkv = step_linear(self.ops, x.view(T, -1), w, bias).view(1, T, -1)
+        keys, values = self.keys[i], self.values[i]
+        q, _, _, gate = self.ops.attn_prep(qkv, cos, sin, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps, H, KV, D,
+                                           kv_cache=(keys, values, slots[0]))
+        o = self.ops.decode_attention(q[0].transpose(0, 1), keys.expand(T, -1, -1, -1), values.expand(T, -1, -1, -1),
+                                      marks, slots[-1], gate.view(T, H * D), m.scaling)  # [T, H * D]
+        return step_linear(self.ops, o, m.o_proj.weight, m.o_proj.bias).view(T, 1, -1)
 
     def rollback(self, verified: "Verified", keep: int, first_slot: int, overrun: bool = False) -> None:
         """End the state after the first ``keep`` + 1 tokens of ``verified``'s step (all of them: nothing to do,

@@ -143,8 +143,8 @@ if HAS_TRITON:
             o_h = (i_g - N_QB) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] key / value heads
             m_h = o_h < KV
             p_x = p_row + H * 2 * D + o_h[:, None] * D  # [BH, 1]
-            # k / v rows: [B, T, KV, D] buffers, or (AT_SLOT, T = 1) position `slot` of [B, KV, L, D] caches
-            i_t_kv = tl.load(slot_ptr) if AT_SLOT else i_t
+            # k / v rows: [B, T, KV, D] buffers, or (AT_SLOT) position `slot` + t of [B, KV, L, D] caches
+            i_t_kv = tl.load(slot_ptr) + i_t if AT_SLOT else i_t
             off = i_b * stride_kv_b + i_t_kv * stride_kv_t + o_h[:, None] * stride_kv_h  # [BH, 1]
             _qk_norm_rope_tile(p_x, k_ptr + off, kw_ptr, p_cos, p_sin, m_h, eps, D, R, BLOCK_D)
             m = m_h[:, None] & (o_d < D)[None, :]
@@ -179,10 +179,11 @@ def attn_prep(
         q_weight, k_weight: [D] contiguous, any float dtype: `q_norm.weight`, `k_norm.weight` (zero-centred).
         eps: `config.rms_norm_eps`.
         num_heads, num_kv_heads, head_dim: H, KV, D.
-        kv_cache: optional `(keys, values, slot)` for a decode step (T = 1): caches [B, KV, L, D] in qkv's dtype,
-            last dim contiguous, and slot [1] int64 on the device; k and v are written at position `slot` of the
-            caches (read on the GPU: capturable) instead of into new buffers. `slot` < L is the caller's to keep
-            (checking it would wait for the GPU); the decode cache refuses a step once it is full.
+        kv_cache: optional `(keys, values, slot)` for a decode step: caches [B, KV, L, D] in qkv's dtype, last dim
+            contiguous, and slot [1] int64 on the device; token t's k and v are written at
+            position `slot` + t of the caches (read on the GPU: capturable) instead of into new buffers (T > 1: the
+            speculative verify pass's tokens). `slot` + T <= L is the caller's to keep (checking it would wait for
+            the GPU); the decode cache refuses a step once it is full.
 
     Returns:
         `(q, k, v, gate)`: q [B, H, T, D], k and v [B, KV, T, D], each a `.transpose(1, 2)` view of a contiguous
@@ -226,8 +227,6 @@ def attn_prep(
     _check_same_device(qkv=qkv, cos=cos, sin=sin, q_weight=q_weight, k_weight=k_weight)
     if kv_cache is not None:
         k, v, slot = kv_cache
-        if T != 1:
-            raise ValueError(f"kv_cache (a decode step's in-place K/V write) needs T = 1, got qkv {tuple(qkv.shape)}.")
         if k.dim() != 4 or k.shape[:2] != (B, KV) or k.shape[3] != D or v.shape != k.shape:
             raise ValueError(f"kv_cache keys / values must be [B, KV, L, D] = [{B}, {KV}, L, {D}], got "
                              f"{tuple(k.shape)} / {tuple(v.shape)}.")
@@ -306,12 +305,13 @@ def attn_prep_ref(
     kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """Plain-torch `attn_prep`, step by step as stock `Qwen3_5Attention.forward` computes it (with `kv_cache`, k / v
-    copied into the caches at `slot` with `index_copy_`, as the decode step did before the kernel wrote them)."""
+    copied into the caches at `slot` + t with `index_copy_`, as the decode step did before the kernel wrote them)."""
     if kv_cache is not None:
         q, k, v, gate = attn_prep_ref(qkv, cos, sin, q_weight, k_weight, eps, num_heads, num_kv_heads, head_dim)
         keys, values, slot = kv_cache
-        keys.index_copy_(2, slot, k)
-        values.index_copy_(2, slot, v)
+        at = slot + torch.arange(qkv.shape[1], device=slot.device)
+        keys.index_copy_(2, at, k)
+        values.index_copy_(2, at, v)
         return q, None, None, gate
     H, KV, D = num_heads, num_kv_heads, head_dim
     B, T = qkv.shape[:2]

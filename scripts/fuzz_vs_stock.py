@@ -178,7 +178,8 @@ def draw_call(rng: random.Random, max_len: int, kinds=CALL_KINDS, dtype: str = "
     if kind == "speculative":  # one row, no padding (what speculative decoding runs); a random MTP head whose drafts
         # are replaced by stock's own tokens with probability `hit`, so every acceptance length is exercised
         call.update(batch=1, padding=None, new_tokens=rng.choice([1, 5, 16]), stop_token=rng.random() < 0.3,
-                    drafts=rng.choice([1, 2, 3]), hit=rng.choice([0.0, 0.5, 0.9]))
+                    drafts=rng.choice([1, 2, 3]), hit=rng.choice([0.0, 0.5, 0.9]),
+                    attention_at_once=rng.random() < 0.5)  # fused_decode.VERIFY_ATTENTION_AT_ONCE for the call
     if kind == "batch":  # generate_batch: prompts of their own lengths and token counts, rows and prefill chunk drawn
         call["lengths"] = [draw_length(rng, max_len) for _ in range(batch)]
         call["length"] = max(call["lengths"])
@@ -718,7 +719,8 @@ def _greedy_steps(both, prompt_len: int, want: torch.Tensor):
 
 def _speculative_call(case, check, stock, fused, ids, both) -> None:
     """Speculative greedy ``generate`` (k drafts a round from the fused model's MTP head, a share replaced by stock's
-    own next tokens) against stock's plain greedy ``generate``: the tokens, as for ``generate``."""
+    own next tokens; the verify pass's attention per token or at once, drawn) against stock's plain greedy
+    ``generate``: the tokens, as for ``generate``."""
     override_drafts = import_module("fused_speculative").override_drafts
     call, vocab = case["call"], case["config"]["vocab_size"]
     kw = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "max_new_tokens": call["new_tokens"],
@@ -737,8 +739,14 @@ def _speculative_call(case, check, stock, fused, ids, both) -> None:
         out[:, :ref.shape[1]] = torch.where(right, ref, (ref + 1) % vocab)
         return out
 
-    with torch.inference_mode(), override_drafts(oracle):
-        got = fused.generate(**kw, mtp_speculative_tokens=call["drafts"])
+    decode_mod = import_module("fused_decode")
+    saved = decode_mod.VERIFY_ATTENTION_AT_ONCE
+    decode_mod.VERIFY_ATTENTION_AT_ONCE = call.get("attention_at_once", saved)
+    try:
+        with torch.inference_mode(), override_drafts(oracle):
+            got = fused.generate(**kw, mtp_speculative_tokens=call["drafts"])
+    finally:
+        decode_mod.VERIFY_ATTENTION_AT_ONCE = saved
     check.tokens("speculative tokens", got, want, _greedy_steps(both, ids.shape[1], want))
 
 
@@ -880,6 +888,10 @@ def coverage_table(cases: list[dict]) -> str:
         "padding": Counter(str(c["call"]["padding"]) for c in cases),
         "model": Counter("MoE" if c["moe"] else "dense" for c in cases),
     }
+    spec = [c["call"] for c in cases if c["call"]["kind"] == "speculative"]
+    if spec:
+        rows["verify attention (speculative)"] = Counter(
+            "at once" if c.get("attention_at_once") else "per token" for c in spec)
     lines = ["| what | drawn (cases) |", "|---|---|"]
     for name, counts in rows.items():
         lines.append(f"| {name} | " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + " |")

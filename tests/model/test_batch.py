@@ -248,6 +248,36 @@ def test_the_buffers_a_call_replaces_count_as_free(monkeypatch):
     assert (wide.rows, wide.max_len) == (6, 128)
 
 
+def test_the_budget_counts_the_group_prefill_states(monkeypatch):
+    """On a GPU without a token budget, the prefill states come off the free memory before the rows: the batch-1
+    state and one of each group batch (2, 4, ... up to ``PREFILL_GROUP``), no batch larger than the rows or the
+    requests (a group never outnumbers them). Here a device whose free memory is known exactly."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    text = fused._text_model()
+    per_token, per_row = budget_mod.state_bytes(text)
+    prefill_len = batch_state.prefill_len_for(100)
+    state = prefill_len * per_token + per_row
+    free = 40 * state  # the bytes the buffers may use, before the fraction
+    monkeypatch.setattr(budget_mod, "free_bytes", lambda text_model: free)
+    fraction = budget_mod.DEFAULT_MEMORY_FRACTION
+
+    def cache_tokens(group, rows, count):
+        cb = ContinuousBatchingConfig(max_requests_per_batch=rows)
+        got_rows, max_len, got_prefill = budget_mod.size_buffers(text, 5000, count, 100, cb, group)
+        assert (got_rows, got_prefill) == (rows, prefill_len)
+        return max_len
+
+    def expected(states, rows):
+        tokens = (int(fraction * free) - states * state - rows * per_row) // per_token
+        return max(64, tokens // rows // 64 * 64)
+
+    assert budget_mod.prefill_rows(1) == 1 and budget_mod.prefill_rows(4) == 7 and budget_mod.prefill_rows(3) == 3
+    assert cache_tokens(1, 8, 50) == expected(1, 8)
+    assert cache_tokens(4, 8, 50) == expected(7, 8) < expected(1, 8)  # states of batch 1, 2 and 4
+    assert cache_tokens(4, 2, 50) == expected(3, 2)  # two rows: no group of 4, its state not counted
+    assert cache_tokens(4, 8, 3) == expected(3, 8)  # three requests: likewise
+
+
 @cpu_emulated
 def test_a_call_at_new_sizes_frees_the_old_rows_first(monkeypatch):
     """The budget counts the rows an earlier call left as free: they are gone before the new rows are allocated

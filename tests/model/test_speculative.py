@@ -439,6 +439,46 @@ def test_the_verify_pass_on_its_few_token_kernels(monkeypatch):
 
 
 @cpu_emulated
+@needs_interpreter
+def test_the_verify_pass_runs_its_attention_at_once(monkeypatch):
+    """``VERIFY_ATTENTION_AT_ONCE``: each attention layer of the verify pass preps the T tokens' keys into the cache at
+    slot .. slot + T - 1 in one ``attn_prep`` and attends for the T tokens in one ``decode_attention`` (T rows over
+    the one cache row, each through its own causal marks). On the references and then on the Triton kernels (the
+    interpreter; every other op on its reference), with drafts half right (partial rollbacks): the tokens and the
+    returned cache of the token-by-token pass, which are the non-speculative ones; the path is taken."""
+    fused_ops, decode_mod = import_module("fused_ops"), import_module("fused_decode")
+    _, fused = _pair(seed=5)
+    ids = _prompt(seed=5)
+    taken = []
+    at_once = decode_mod.DecodeState._attention_verify_at_once
+
+    def counting(self, *args):
+        taken.append(args[3])  # T
+        return at_once(self, *args)
+
+    monkeypatch.setattr(decode_mod.DecodeState, "_attention_verify_at_once", counting)
+    with torch.no_grad():
+        plain = fused.generate(ids, max_new_tokens=12, mtp_speculative_tokens=0, **GREEDY)
+        runs = []
+        for setting in ("per-token", "at-once", "at-once-kernels"):
+            monkeypatch.setattr(decode_mod, "VERIFY_ATTENTION_AT_ONCE", setting != "per-token")
+            if setting == "at-once-kernels":
+                ops = fused.fused_plan.ops
+                for name in ("attn_prep", "decode_attention"):
+                    monkeypatch.setattr(ops, name, getattr(fused_ops, name))
+            taken.clear()
+            with spec.override_drafts(_oracle(plain.sequences, 0.5, seed=2)), spec.record_rounds() as rounds:
+                runs.append(fused.generate(ids, max_new_tokens=12, mtp_speculative_tokens=3, **GREEDY))
+            assert any(0 < n < d for d, n in rounds), rounds
+            assert bool(taken) == (setting != "per-token") and all(t > 1 for t in taken), (setting, taken)
+            assert not taken or 4 in taken, taken
+    for run in runs:
+        assert torch.equal(run.sequences, plain.sequences)
+    for run in runs[1:]:
+        assert_caches_close(cache_of(run), cache_of(runs[0]), fused.config.layer_types, CACHE_BOUND)
+
+
+@cpu_emulated
 def test_rounds_run_on_the_device_when_the_host_needs_nothing_else(monkeypatch):
     """Greedy drafting without logits processors, stopped by EOS / ``max_new_tokens`` only, no scores asked: every
     round after the prompt's runs on the device (``MTPDecodeState.round_tail``: acceptance, rollback, the head's
@@ -860,16 +900,19 @@ def test_gpu_greedy_bf16_diverges_no_earlier_than_non_speculative():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("moe, static_moe", [(False, False), (True, False), (True, True)],
-                         ids=["dense", "moe", "moe-static-drafts"])
-def test_gpu_verify_graphs_give_the_non_speculative_tokens_and_cache(moe, static_moe, monkeypatch):
+@pytest.mark.parametrize("moe, static_moe, at_once", [(False, False, False), (True, False, False), (True, True, False),
+                                                      (False, False, True)],
+                         ids=["dense", "moe", "moe-static-drafts", "dense-attention-at-once"])
+def test_gpu_verify_graphs_give_the_non_speculative_tokens_and_cache(moe, static_moe, at_once, monkeypatch):
     """fp32, a random model and head on the GPU, drafts half right (rollbacks to every prefix), each round's drafts a
     new tensor: the verify pass runs from its CUDA graph per length (captured on that length's second pass, replayed
     after), the static drafter's rounds (the dense head's; the MoE head's with ``STATIC_MOE_DRAFTS``) from their tail
     graph per length (which must read the drafts it is given, not those at the address it was captured with), and
     the tokens and the returned cache are the non-speculative ones; after a weight is replaced, the next call
-    captures again and follows the new weights (a stale graph would still read the old ones)."""
+    captures again and follows the new weights (a stale graph would still read the old ones). Also with the verify
+    pass's attention run once for its tokens (``VERIFY_ATTENTION_AT_ONCE``)."""
     monkeypatch.setattr(import_module("fused_mtp_decode"), "STATIC_MOE_DRAFTS", static_moe)
+    monkeypatch.setattr(import_module("fused_decode"), "VERIFY_ATTENTION_AT_ONCE", at_once)
     _, fused = _pair(moe)
     fused = fused.cuda()
     ids = _prompt().cuda()

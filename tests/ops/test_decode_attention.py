@@ -181,6 +181,34 @@ def test_decode_attention_over_contiguous_windows(dtype, L, slot, monkeypatch):
     assert_close("ref", ref, want, 1e-6)
 
 
+def several_tokens(device, dtype, T, H, KV, D, L, slot0):
+    """The speculative verify pass's use: T query tokens of one sequence as T rows over its one cache row (keys and
+    values seen T times through a batch stride of 0), row t through the row's marks up to slot0 + t, read up to the
+    last token's slot; against T one-row calls, token t's at slot0 + t (and the reference)."""
+    q, keys, values, valid, _, gate, scale = inputs(device, dtype, 1, H * T, KV * T, D, L, slot0 + T - 1, pad=False)
+    q, gate = q.view(T, H, D), gate.view(T, H * D)  # T tokens' queries and gates
+    keys, values = keys[:, :KV].contiguous(), values[:, :KV].contiguous()  # [1, KV, L, D]
+    valid[0, :3] = False  # a left-padded row
+    ends = slot0 + torch.arange(T, device=device)
+    marks = valid & (torch.arange(L, device=device)[None, :] <= ends[:, None])  # [T, L]
+    last = torch.tensor([slot0 + T - 1], device=device)
+    got = fused_ops.decode_attention(q, keys.expand(T, -1, -1, -1), values.expand(T, -1, -1, -1), marks, last, gate,
+                                     scale)
+    for t in range(T):
+        one = fused_ops.decode_attention(q[t : t + 1], keys, values, valid, ends[t : t + 1], gate[t : t + 1], scale)
+        assert_close(f"token {t} vs its own call", got[t : t + 1], one, BOUND[dtype])
+    want = fused_ops.decode_attention_ref(q, keys.expand(T, -1, -1, -1), values.expand(T, -1, -1, -1), marks, last,
+                                          gate, scale)
+    assert_close("y vs ref", got, want, BOUND[dtype])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T, L, slot0", [(2, 16, 5), (4, 140, 100)], ids=["T2", "T4-splits"])
+def test_decode_attention_several_tokens_over_one_row(dtype, T, L, slot0):
+    several_tokens("cpu", dtype, T, 4, 2, 16, L, slot0)
+
+
 def test_decode_attention_rejects_a_bad_start():
     q, keys, values, valid, slot, gate, scale = inputs("cpu", torch.float32, 2, 4, 2, 16, 8, 5)
     with pytest.raises(ValueError, match="contiguous=True needs start"):
@@ -318,6 +346,14 @@ def test_decode_attention_over_contiguous_windows_cuda(dtype, L, slot):
     got = fused_ops.decode_attention(*args, contiguous=True)
     assert torch.isfinite(got).all() and (got[-1] == 0).all()
     assert_close("y", got[:-1], want[:-1], BOUND[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T", [2, 4])
+@pytest.mark.parametrize("L, slot0", [(256, 200), (4096, 3000)], ids=["L256", "L4096"])
+def test_decode_attention_several_tokens_over_one_row_cuda(dtype, T, L, slot0):
+    several_tokens("cuda", dtype, T, 16, 4, 256, L, slot0)
 
 
 @pytest.mark.cuda

@@ -187,14 +187,14 @@ def check_attn_prep(device, dtype, B, T, H, KV, D, R, row_pad=0, cos_batch1=Fals
     assert_exact("gate vs attn_prep_ref", gate, gate_ref)
 
 
-def check_attn_prep_into_cache(device, dtype, B, H, KV, D, R, L, slot, hidden=None):
-    """A decode step's prep (T = 1) writing k / v at `slot` of [B, KV, L, D] caches: q and gate as the plain call
-    returns them, k / v bit-identical to its k / v at `slot`, every other cache position untouched; and the same
-    caches as the reference's `index_copy_`."""
+def check_attn_prep_into_cache(device, dtype, B, H, KV, D, R, L, slot, hidden=None, T=1):
+    """A decode step's prep writing k / v of token t at `slot` + t of [B, KV, L, D] caches (T = 1: the decode step;
+    T > 1: the speculative verify pass): q and gate as the plain call returns them, k / v bit-identical to its k / v
+    there, every other cache position untouched; and the same caches as the reference's `index_copy_`."""
     torch.manual_seed(0)
     cfg, attn = stock_attention(device, dtype, H, KV, D, R, hidden)
-    x = torch.randn(B, 1, cfg.hidden_size, dtype=dtype, device=device)
-    cos, sin = stock_rope(cfg, B, 1, dtype, device)
+    x = torch.randn(B, T, cfg.hidden_size, dtype=dtype, device=device)
+    cos, sin = stock_rope(cfg, B, T, dtype, device)
     with torch.no_grad():
         qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
     args = (qkv, cos, sin, attn.q_norm.weight, attn.k_norm.weight, EPS, H, KV, D)
@@ -207,7 +207,7 @@ def check_attn_prep_into_cache(device, dtype, B, H, KV, D, R, L, slot, hidden=No
     assert_exact("q", q2, q)
     assert_exact("gate", gate2, gate)
     expect_k, expect_v = keys_ref.clone(), values_ref.clone()
-    expect_k[:, :, slot], expect_v[:, :, slot] = k[:, :, 0], v[:, :, 0]
+    expect_k[:, :, slot : slot + T], expect_v[:, :, slot : slot + T] = k, v
     assert_exact("keys", keys, expect_k)
     assert_exact("values", values, expect_v)
     fused_ops.attn_prep_ref(*args, kv_cache=(keys_ref, values_ref, slot_t))
@@ -217,10 +217,11 @@ def check_attn_prep_into_cache(device, dtype, B, H, KV, D, R, L, slot, hidden=No
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("B, H, KV, D, R, L, slot", [(1, 4, 2, 32, 8, 8, 0), (3, 2, 1, 16, 16, 5, 4)],
-                         ids=["B1-slot0", "B3-last-slot"])
-def test_attn_prep_into_cache_cpu(dtype, B, H, KV, D, R, L, slot):
-    check_attn_prep_into_cache("cpu", dtype, B, H, KV, D, R, L, slot)
+@pytest.mark.parametrize("B, H, KV, D, R, L, slot, T", [(1, 4, 2, 32, 8, 8, 0, 1), (3, 2, 1, 16, 16, 5, 4, 1),
+                                                         (1, 4, 2, 32, 8, 9, 2, 4), (2, 2, 1, 16, 16, 6, 3, 3)],
+                         ids=["B1-slot0", "B3-last-slot", "B1-T4", "B2-T3-to-the-end"])
+def test_attn_prep_into_cache_cpu(dtype, B, H, KV, D, R, L, slot, T):
+    check_attn_prep_into_cache("cpu", dtype, B, H, KV, D, R, L, slot, T=T)
 
 
 def check_sigmoid_gate_mul(device, dtype, B, T, H, D, o_layout="bhtd", gate_pad=0):
@@ -402,8 +403,6 @@ BAD_INPUTS = {
     "prep-cos-T": (lambda: _prep(rotary_shape=(1, 3, 8)), "cos / sin must be"),
     "prep-cos-dtype": (lambda: _prep(rotary_dtype=torch.float16), "dtype"),
     "prep-q-weight-shape": (lambda: _prep(q_weight=torch.zeros(8)), "q_weight"),
-    "prep-cache-T2": (lambda: _prep(kv_cache=(torch.zeros(1, 1, 4, 16),) * 2 + (torch.zeros(1, dtype=torch.long),)),
-                      "needs T = 1"),
     "prep-cache-shape": (
         lambda: _prep(T=1, kv_cache=(torch.zeros(1, 2, 4, 16),) * 2 + (torch.zeros(1, dtype=torch.long),)),
         "keys / values must be"),
@@ -541,6 +540,15 @@ def test_attn_prep_broadcast_cos_strided_qkv(dtype, T):
 @pytest.mark.parametrize("H, KV, hidden", [(8, 2, 1024), (16, 4, 4096), (24, 4, 5120)], ids=["0.8B", "4B-9B", "27B"])
 def test_attn_prep_into_cache_cuda(dtype, B, H, KV, hidden):
     check_attn_prep_into_cache("cuda", dtype, B, H, KV, 256, 64, 512, 300, hidden=hidden)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("T", [2, 4], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("H, KV, hidden", [(16, 4, 2560), (24, 4, 5120)], ids=["4B", "27B"])
+def test_attn_prep_into_cache_several_tokens_cuda(dtype, T, H, KV, hidden):
+    """The speculative verify pass's prep: T tokens' k / v at slot .. slot + T - 1 of a batch-1 cache."""
+    check_attn_prep_into_cache("cuda", dtype, 1, H, KV, 256, 64, 512, 300, hidden=hidden, T=T)
 
 
 @pytest.mark.cuda
