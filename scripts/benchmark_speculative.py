@@ -8,6 +8,9 @@
     python scripts/benchmark_speculative.py --checkpoint . --dtype float32 --prompts 8
     # the MoE head on the static drafter (fused_mtp_decode.STATIC_MOE_DRAFTS, off as shipped) for the run
     python scripts/benchmark_speculative.py --shapes 35B-A3B --set fused_mtp_decode.STATIC_MOE_DRAFTS=True
+    # an A/B in one process: each (k, a) under each variant's constants in turn, graphs captured afresh
+    python scripts/benchmark_speculative.py --shapes 4B --k 3 --acceptance 0,0.8 \
+        --variant base: --variant at-once:fused_decode.VERIFY_ATTENTION_AT_ONCE=True
 
 Random weights draft nothing the model would say, so the acceptance is set instead: each round, after the head has
 drafted and the model has verified, ``fused_speculative.force_acceptance`` makes the round accept the first n of its k
@@ -150,21 +153,27 @@ def run_shape(shape: str, args, device, dtype, ceilings: dict) -> dict:
     bandwidth = ceilings.get("copy_bytes_per_s")
     # the MTP head is read too in a speculative round, but the floor is the plain single-token step's
     row["floor_ms"] = step_read_bytes(model, counts) / bandwidth * 1e3 if bandwidth else None
+    variants = args.variants or [("", [])]
     for k in args.k:
         for rate in args.acceptance:
-            with spec.force_acceptance(forced(rate)), spec.record_rounds() as rounds:
-                values = per_token_ms(model, ids, args.new_tokens, k, device, args.repeats)
-                rounds.clear()
-                timed_generate(model, ids, args.new_tokens, k, device)
-            drafted, accepted = sum(d for d, _ in rounds), sum(n for _, n in rounds)
-            row["speculative"][f"k{k}-a{rate}"] = {
-                "k": k, "acceptance_set": rate, "ms_per_token": statistics.median(values), "runs": values,
-                "acceptance": accepted / drafted if drafted else None,
-                "tokens_per_round": (args.new_tokens - 1) / len(rounds) if rounds else None,
-                "per_round": phase_ms(model, ids, args.new_tokens, k, device, rate),
-            }
-            benchmark_latency.log(f"{shape} k={k} a={rate}: {statistics.median(values):.3f} ms/token "
-                                  f"(plain {row['plain']['ms_per_token']:.3f})")
+            for vname, vsets in variants:  # interleaved per (k, a): a drift of the card hits every variant alike
+                with ab_decode.constants(vsets):
+                    if vsets:  # the graphs (verify, drafts, tails) captured afresh under this variant's values
+                        model.set_fused_kernels(False).set_fused_kernels(True)
+                    with spec.force_acceptance(forced(rate)), spec.record_rounds() as rounds:
+                        values = per_token_ms(model, ids, args.new_tokens, k, device, args.repeats)
+                        rounds.clear()
+                        timed_generate(model, ids, args.new_tokens, k, device)
+                    drafted, accepted = sum(d for d, _ in rounds), sum(n for _, n in rounds)
+                    row["speculative"][(f"{vname}/" if vname else "") + f"k{k}-a{rate}"] = {
+                        "variant": vname, "k": k, "acceptance_set": rate, "ms_per_token": statistics.median(values),
+                        "runs": values, "acceptance": accepted / drafted if drafted else None,
+                        "tokens_per_round": (args.new_tokens - 1) / len(rounds) if rounds else None,
+                        "per_round": phase_ms(model, ids, args.new_tokens, k, device, rate),
+                    }
+                benchmark_latency.log(f"{shape} {vname + ' ' if vname else ''}k={k} a={rate}: "
+                                      f"{statistics.median(values):.3f} ms/token "
+                                      f"(plain {row['plain']['ms_per_token']:.3f})")
     del model
     gc.collect()  # its reference cycles too, before the next shape is built (27B after 35B-A3B ran out of memory)
     if device.type == "cuda":
@@ -262,7 +271,8 @@ def to_markdown(results: dict) -> str:
         for r in row["speculative"].values():
             realized = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
             per_round = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] is not None else "-"
-            lines.append(f"| {shape} | {r['k']} | {r['acceptance_set']} | {realized} | {per_round} | "
+            k = f"{r['k']} ({r['variant']})" if r.get("variant") else r["k"]
+            lines.append(f"| {shape} | {k} | {r['acceptance_set']} | {realized} | {per_round} | "
                          f"{r['ms_per_token']:.3f} | {plain:.3f} | {plain / r['ms_per_token']:.2f}x | "
                          + (f"{floor:.3f} | {r['ms_per_token'] / floor:.2f}x |" if floor else "- | - |")
                          + " {draft_ms:.2f} / {verify_ms:.2f} / {tail_ms:.2f} / {rest_ms:.2f} |".format(
@@ -288,10 +298,16 @@ def main(argv=None):
                    help="a checkpoint folder with a trained MTP head: its own drafts on held-out prompts instead of "
                         "--shapes and --acceptance")
     p.add_argument("--prompts", type=int, default=8, help="with --checkpoint: held-out prompts")
+    p.add_argument("--variant", action="append", default=None, metavar="NAME:MODULE.CONSTANT=VALUE,...",
+                   help="run every (k, a) again under these repo constants, in the same process, the variants "
+                        "interleaved per (k, a) and the graphs captured afresh for each (as scripts/ab_decode.py "
+                        "takes them; 'base:' for the shipped values); repeatable")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.CONSTANT=VALUE",
                    help="a repo constant for the whole run, as scripts/ab_decode.py's variants take them (e.g. "
                         "fused_mtp_decode.STATIC_MOE_DRAFTS=True), restored afterwards; repeatable")
     args = p.parse_args(argv)
+    modules = ab_decode.variant_modules() if args.variant else None
+    args.variants = [ab_decode.parse_variant(spec, modules) for spec in args.variant] if args.variant else None
     settings = []
     if args.set:
         settings = ab_decode.parse_variant("set:" + ",".join(args.set), ab_decode.variant_modules())[1]

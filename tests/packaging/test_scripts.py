@@ -74,6 +74,31 @@ def test_benchmark_speculative_sets_constants_for_the_run(tmp_path, fused_on_cpu
 
 
 
+def test_benchmark_speculative_variants_in_one_process(tmp_path, fused_on_cpu, monkeypatch):
+    """``--variant``: each (k, a) under each variant's constants in turn (the verify pass's attention at once in one
+    of them, token by token in the other, as the pass reports), the shipped values back afterwards, each row named
+    by its variant."""
+    from scripts.common import import_module
+
+    decode_mod = import_module("fused_decode")
+    seen = set()
+    at_once, per_token = decode_mod.DecodeState._attention_verify_at_once, decode_mod.DecodeState._attention_verify
+    monkeypatch.setattr(decode_mod.DecodeState, "_attention_verify_at_once",
+                        lambda self, *a: seen.add("at once") or at_once(self, *a))
+    monkeypatch.setattr(decode_mod.DecodeState, "_attention_verify",
+                        lambda self, *a: seen.add("per token") or per_token(self, *a))
+    results = benchmark_speculative.main([
+        "--device", "cpu", "--tiny", "--dtype", "float32", "--new-tokens", "5", "--repeats", "1", "--k", "2",
+        "--acceptance", "0,1", "--variant", "base:", "--variant", "at-once:fused_decode.VERIFY_ATTENTION_AT_ONCE=True",
+        "--out", str(tmp_path)])
+    rows = results["models"]["tiny"]["speculative"]
+    assert list(rows) == ["base/k2-a0.0", "at-once/k2-a0.0", "base/k2-a1.0", "at-once/k2-a1.0"]
+    assert rows["at-once/k2-a1.0"]["acceptance"] == 1 and rows["base/k2-a0.0"]["acceptance"] == 0
+    assert seen == {"at once", "per token"}  # each variant's verify passes ran its own way
+    assert decode_mod.VERIFY_ATTENTION_AT_ONCE is False
+    assert "| tiny | 2 (at-once) | 1.0 |" in (tmp_path / "speculative.md").read_text()
+
+
 def test_benchmark_speculative_runs_the_shipped_checkpoint_on_cpu(tmp_path, fused_on_cpu):
     """``--checkpoint .``: the shipped model's trained head on held-out prompts through the CPU emulation, plain and
     k = 1 / 2 as a user gets it and speculating throughout: fields only (no timing). The head drafts some right
