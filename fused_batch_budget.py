@@ -5,7 +5,7 @@ fraction of the free memory), and their allocation, halving the rows when they d
 
 import torch
 
-from .fused_batch_state import prefill_len_for
+from .fused_batch_state import group_len_for, prefill_len_for
 from .fused_decode import decode_len_bucket
 from .fused_plan import announce
 
@@ -90,8 +90,11 @@ def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_conf
         tokens = blocks * block_tokens(cb_config)
     elif free is not None:
         fraction = getattr(cb_config, "max_memory_percent", None) or DEFAULT_MEMORY_FRACTION
-        # a group never outnumbers the rows or the requests (``BatchEngine._partners``)
-        prefill_bytes = prefill_rows(min(group, rows, count)) * (prefill_len * per_token + per_row)
+        # the batch-1 state, and the group states (a group never outnumbers the rows or the requests:
+        # ``BatchEngine._partners``), each row of those at most a group's longest prompt (``group_len_for``)
+        group_rows = prefill_rows(min(group, rows, count)) - 1
+        prefill_bytes = (prefill_len * per_token + per_row
+                         + group_rows * (group_len_for(prefill_len) * per_token + per_row))
         tokens = max(0, int(fraction * free) - prefill_bytes - rows * per_row) // max(1, per_token)
     else:
         return rows, max_len, prefill_len

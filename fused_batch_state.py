@@ -29,7 +29,7 @@ import torch
 
 from .fused_compat import read_attention_layer, read_linear_layer
 from .fused_decode import DecodeState, decode_len_bucket
-from .fused_graphs import forward_len_bucket
+from .fused_graphs import FORWARD_GRAPH_MAX_LEN, forward_len_bucket
 from .fused_plan import FusedPlan
 
 # The decode step runs at the smallest of these row counts that holds the live requests (at most the state's R rows,
@@ -47,6 +47,13 @@ def prefill_len_for(prompt: int) -> int:
     """Tokens of the batch-1 prefill state for prompts of up to ``prompt`` tokens: the prompt left-padded to its
     forward length bucket, plus the one token its captured prefill is sized for, in a decode length bucket."""
     return decode_len_bucket(forward_len_bucket(prompt) + 1)
+
+
+def group_len_for(prefill_len: int) -> int:
+    """Tokens of a group prefill state beside a batch-1 state of ``prefill_len``: as long, up to the longest prompt a
+    group takes (``FORWARD_GRAPH_MAX_LEN``: longer prompts are prefilled alone), so that a call with one 32k-token
+    prompt does not size every group state for it (at 4B, 32k tokens of keys and values are 1 GiB a row)."""
+    return min(prefill_len, prefill_len_for(FORWARD_GRAPH_MAX_LEN))
 
 
 def row_bucket(rows: int, most: int) -> int:
@@ -81,8 +88,8 @@ class BatchState:
       the shared ``slot`` [1]);
     - ``views``: row count -> a :meth:`DecodeState.view_rows` of its first rows (its own step graph);
     - ``prefill``: a batch-1 :class:`DecodeState` of ``prefill_len`` tokens, the prompts' fused prefill target;
-    - ``groups``: batch -> a :class:`DecodeState` of that many rows of ``prefill_len`` tokens, where prompts of one
-      length bucket are prefilled together (``group_prefill``; made on a group's first prompt);
+    - ``groups``: batch -> a :class:`DecodeState` of that many rows of ``group_len_for(prefill_len)`` tokens, where
+      prompts of one length bucket are prefilled together (``group_prefill``; made on a group's first prompt);
     - ``tokens`` [R] int64: each row's last chosen token, the next step's input (it never leaves the device);
     - ``history`` [R, L + 1] int64 and ``lengths`` [R] int64: each row's prompt and chosen tokens, kept only when a
       logits processor reads the sequence (``ensure_history``).
@@ -126,7 +133,7 @@ class BatchState:
     def group_prefill(self, text_model, plan: FusedPlan, batch: int, prompt: int) -> DecodeState:
         """The state ``batch`` (> 1) prompts of up to ``prompt`` tokens are prefilled in together: the group state of
         that batch, made (or remade longer, its prompt graphs going with the old one) when needed."""
-        need = max(self.prefill_len, prefill_len_for(prompt))
+        need = max(group_len_for(self.prefill_len), prefill_len_for(prompt))
         state = self.groups.get(batch)
         if state is None or state.max_len < need:
             if state is not None:

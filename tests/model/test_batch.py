@@ -39,6 +39,7 @@ batch_mod = import_module("fused_batch")
 budget_mod = import_module("fused_batch_budget")
 batch_state = import_module("fused_batch_state")
 decode_mod = import_module("fused_decode")
+graphs_mod = import_module("fused_graphs")
 
 # Weights at 5x the config's default spread: at 0.02 the tiny model's greedy tokens only repeat the prompt's last
 # token, which any row mix-up would reproduce; at 0.1 each token depends on the context.
@@ -251,31 +252,41 @@ def test_the_buffers_a_call_replaces_count_as_free(monkeypatch):
 def test_the_budget_counts_the_group_prefill_states(monkeypatch):
     """On a GPU without a token budget, the prefill states come off the free memory before the rows: the batch-1
     state and one of each group batch (2, 4, ... up to ``PREFILL_GROUP``), no batch larger than the rows or the
-    requests (a group never outnumbers them). Here a device whose free memory is known exactly."""
+    requests (a group never outnumbers them), a group state's rows no longer than the longest prompt a group takes
+    (``FORWARD_GRAPH_MAX_LEN``) whatever the call's longest prompt; and ``group_prefill`` makes them that long. Here
+    a device whose free memory is known exactly."""
     _, fused = stock_and_fused_lm(seed=0, **SPREAD)
     text = fused._text_model()
     per_token, per_row = budget_mod.state_bytes(text)
-    prefill_len = batch_state.prefill_len_for(100)
-    state = prefill_len * per_token + per_row
-    free = 40 * state  # the bytes the buffers may use, before the fraction
+    capped = batch_state.prefill_len_for(graphs_mod.FORWARD_GRAPH_MAX_LEN)
+    free = 40 * (batch_state.prefill_len_for(20000) * per_token + per_row)  # the bytes the buffers may use
     monkeypatch.setattr(budget_mod, "free_bytes", lambda text_model: free)
     fraction = budget_mod.DEFAULT_MEMORY_FRACTION
 
-    def cache_tokens(group, rows, count):
+    def cache_tokens(group, rows, count, longest=100):
         cb = ContinuousBatchingConfig(max_requests_per_batch=rows)
-        got_rows, max_len, got_prefill = budget_mod.size_buffers(text, 5000, count, 100, cb, group)
-        assert (got_rows, got_prefill) == (rows, prefill_len)
+        got_rows, max_len, got_prefill = budget_mod.size_buffers(text, 10**7, count, longest, cb, group)
+        assert (got_rows, got_prefill) == (rows, batch_state.prefill_len_for(longest))
         return max_len
 
-    def expected(states, rows):
-        tokens = (int(fraction * free) - states * state - rows * per_row) // per_token
+    def expected(group_rows, rows, longest=100):
+        state = lambda n: n * per_token + per_row  # noqa: E731
+        prefill_len = batch_state.prefill_len_for(longest)
+        prefill = state(prefill_len) + group_rows * state(min(prefill_len, capped))
+        tokens = (int(fraction * free) - prefill - rows * per_row) // per_token
         return max(64, tokens // rows // 64 * 64)
 
     assert budget_mod.prefill_rows(1) == 1 and budget_mod.prefill_rows(4) == 7 and budget_mod.prefill_rows(3) == 3
-    assert cache_tokens(1, 8, 50) == expected(1, 8)
-    assert cache_tokens(4, 8, 50) == expected(7, 8) < expected(1, 8)  # states of batch 1, 2 and 4
-    assert cache_tokens(4, 2, 50) == expected(3, 2)  # two rows: no group of 4, its state not counted
-    assert cache_tokens(4, 8, 3) == expected(3, 8)  # three requests: likewise
+    assert cache_tokens(1, 8, 50) == expected(0, 8)
+    assert cache_tokens(4, 8, 50) == expected(6, 8) < expected(0, 8)  # group states of batch 2 and 4
+    assert cache_tokens(4, 2, 50) == expected(2, 2)  # two rows: no group of 4, its state not counted
+    assert cache_tokens(4, 8, 3) == expected(2, 8)  # three requests: likewise
+    # a 20k-token prompt: the batch-1 state holds it, the group states only what a group may hold
+    assert batch_state.prefill_len_for(20000) > capped
+    assert cache_tokens(4, 8, 50, longest=20000) == expected(6, 8, longest=20000)
+    buffers = batch_state.BatchState(text, text.plan, 2, 256, batch_state.prefill_len_for(20000))
+    assert buffers.group_prefill(text, text.plan, 2, 100).max_len == capped
+    assert buffers.group_prefill(text, text.plan, 4, 5000).max_len == capped
 
 
 @cpu_emulated
