@@ -117,6 +117,7 @@ if HAS_TRITON:
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
         AT_SLOT: tl.constexpr,
+        TOKEN_SLOTS: tl.constexpr,
         PDL: tl.constexpr,
     ):
         _pdl_wait(PDL)  # before any load: an earlier kernel writes this one's inputs
@@ -143,8 +144,12 @@ if HAS_TRITON:
             o_h = (i_g - N_QB) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH] key / value heads
             m_h = o_h < KV
             p_x = p_row + H * 2 * D + o_h[:, None] * D  # [BH, 1]
-            # k / v rows: [B, T, KV, D] buffers, or (AT_SLOT) position `slot` + t of [B, KV, L, D] caches
-            i_t_kv = tl.load(slot_ptr) + i_t if AT_SLOT else i_t
+            # k / v rows: [B, T, KV, D] buffers, or (AT_SLOT) position `slot` of [B, KV, L, D] caches, `slot` + t
+            # with TOKEN_SLOTS (T > 1: the verify pass; the decode step's T = 1 compiles without the offset)
+            if AT_SLOT:
+                i_t_kv = tl.load(slot_ptr) + i_t if TOKEN_SLOTS else tl.load(slot_ptr)
+            else:
+                i_t_kv = i_t
             off = i_b * stride_kv_b + i_t_kv * stride_kv_t + o_h[:, None] * stride_kv_h  # [BH, 1]
             _qk_norm_rope_tile(p_x, k_ptr + off, kw_ptr, p_cos, p_sin, m_h, eps, D, R, BLOCK_D)
             m = m_h[:, None] & (o_d < D)[None, :]
@@ -283,6 +288,7 @@ def attn_prep(
                 BLOCK_H=BLOCK_H,
                 BLOCK_D=BLOCK_D,
                 AT_SLOT=kv_cache is not None,
+                TOKEN_SLOTS=kv_cache is not None and T > 1,
                 num_warps=_num_warps(BLOCK_H * BLOCK_D),
                 PDL=pdl,
                 **_pdl_launch(pdl),
