@@ -15,8 +15,8 @@ The scheduler (:class:`BatchEngine`) over the rows of a :class:`BatchState` (``f
    ``prefill_chunk``, at most that many prompt tokens run between two steps, and a longer prompt runs a chunk per
    step over a stock cache (:meth:`BatchEngine._chunk`) before it joins the same way, its chunk riding on the decode
    step while requests decode (``fused_batch_mixed``: one GEMM a projection over the decode rows and the chunk);
-   whole prompts of one length bucket that join at one step run one batched prefill, up to ``PREFILL_GROUP`` of
-   them (:meth:`BatchEngine._start_many`);
+   from 64 rows on (``prefill_group``), whole prompts of one length bucket that join at one step run one batched
+   prefill, up to ``PREFILL_GROUP`` of them (:meth:`BatchEngine._start_many`);
 2. one decode step for rows 0..n-1 (rows stay packed: a request that leaves hands its row to the last one), at the
    smallest row bucket >= n, replayed from that bucket's CUDA graph; first, the live span moves left when the slot has
    reached the end of the cache or the dead prefix has grown to half of what the step reads;
@@ -68,21 +68,29 @@ COMPACT_MIN = 256
 # default serves throughput and latency best on the GPU is not measured yet.
 PREFILL_CHUNK = None
 # Whole prompts of one length bucket that join at one step are prefilled together, in one forward of up to this many
-# (in batches of 2, 4, ... of them, each batch with its own prefill state and prompt graphs); 1: each prompt alone.
-# While requests decode and more wait, free rows are then filled once there are this many (or as many as wait; with
-# at least ``GROUP_HOLD_GROUPS`` groups of rows): with many rows about one request leaves a step, and prompts
-# admitted one at a time would never share a forward.
+# (in batches of 2, 4, ... of them, each batch with its own prefill state and prompt graphs), where the rows are at
+# least ``GROUP_HOLD_GROUPS`` groups; 1, or fewer rows: each prompt alone. With many rows about one request leaves a
+# step, and prompts admitted one at a time would never share a forward: while requests decode and more wait, free
+# rows are filled once there are this many (or as many as wait).
 # 4: at 4B, 256 rows, on an H100 (one process, every bucket warmed; docs/BENCHMARKS.md) the 512 prompts took 8.58 s of
 # GPU time in groups of up to 4 (16.2 us a prompt token in the batches of 4), 8.80 s in groups of up to 2 and 9.58 s
 # alone (18.5 us), and the run 20.81 / 21.02 / 21.82 s: 3.13x / 3.10x / 2.98x the static batches.
 PREFILL_GROUP = 4
-# The free rows wait for a group's worth only where the rows are at least this many groups (64 rows with groups of
-# 4): there the few idle rows cost a small share of a step's tokens; with fewer rows each admission would wait on a
-# larger share of them, and the wait is measured at 256 rows only.
+# Groups (and the free rows' wait for one) from this many groups of rows on: 64 rows with groups of 4. Below, a row
+# would wait on a larger share of the rows, and without the wait groups seldom form (the scheduler on CPU over the
+# benchmark's 512 requests at 32 rows: 33 groups among 467 prompt forwards, against 135 among 159 at 64 and 256 rows),
+# while each new (length bucket, batch) still costs a first call an eager forward and a capture. Measured at 256
+# rows only.
 GROUP_HOLD_GROUPS = 16
 # How far down the waiting queue a group looks for prompts of its first prompt's length bucket (those it takes join
 # before the ones they pass).
 GROUP_LOOKAHEAD = 64
+
+def prefill_group(rows: int) -> int:
+    """How many prompts of one length bucket a step prefills together at ``rows`` rows (1: each alone)."""
+    group = max(1, PREFILL_GROUP)
+    return group if rows >= GROUP_HOLD_GROUPS * group else 1
+
 
 @dataclass(eq=False)
 class Request:
@@ -224,9 +232,10 @@ class BatchEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_chunk = prefill_chunk  # prompt tokens prefilled between two decode steps (None: no limit)
         self.prefilling: Chunked | None = None  # the prompt being prefilled a chunk per step
-        self.group = max(1, PREFILL_GROUP)  # whole prompts of one length bucket prefilled together, at most
-        # free rows wait for a group's worth (with requests decoding and more waiting): decided once
-        self.hold = self.group > 1 and buffers.rows >= GROUP_HOLD_GROUPS * self.group
+        # whole prompts of one length bucket prefilled together, at most this many, and free rows waiting for a
+        # group's worth (with requests decoding and more waiting): decided once, from the rows
+        self.group = prefill_group(buffers.rows)
+        self.hold = self.group > 1
         # chunks ride on the decode step (fused_batch_mixed) or, where they cannot, run before it: decided once
         self.ride = prefill_chunk is not None and _ride_blocker(text_model, buffers.state) is None
         self.layer_types = text_model.config.layer_types[: text_model.config.num_hidden_layers]
@@ -773,7 +782,7 @@ def build_engine(model, generation_config, cb_config, need: int, count: int, lon
         raise ValueError(f"prefill_chunk must be a positive number of tokens, got {chunk}.")
     if chunk is not None:  # longer prompts never go through the batch-1 prefill state
         longest_prompt = min(longest_prompt, chunk)
-    rows, max_len, prefill_len = size_buffers(text_model, need, count, longest_prompt, cb_config, PREFILL_GROUP)
+    rows, max_len, prefill_len = size_buffers(text_model, need, count, longest_prompt, cb_config, prefill_group)
     buffers = allocate(text_model, rows, max_len, prefill_len)
     rule = TokenRule(model, generation_config, device, logprobs, [0])
     return BatchEngine(model, text_model, buffers, rule, getattr(cb_config, "max_batch_tokens", None), stream,

@@ -64,14 +64,14 @@ def free_bytes(text_model) -> int | None:
 
 def prefill_rows(group: int) -> int:
     """Rows of the prefill states at most: the batch-1 state and a group state of each batch 2, 4, ... up to
-    ``group`` (``fused_batch.PREFILL_GROUP``)."""
+    ``group`` (``fused_batch.prefill_group``)."""
     return sum(1 << i for i in range(max(1, group).bit_length()))
 
 
 def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_config,
-                 group: int = 1) -> tuple[int, int, int]:
+                 group_for=lambda rows: 1) -> tuple[int, int, int]:
     """(rows, cache tokens a row, prefill tokens) for ``count`` requests of at most ``need`` cache tokens each (prompt
-    + new - 1) under the caller's budget, with prefill states for groups of up to ``group`` prompts:
+    + new - 1) under the caller's budget, with prefill states for groups of up to ``group_for(rows)`` prompts:
 
     - rows: ``max_requests_per_batch``, else min(count, ``DEFAULT_ROWS``); more requests wait for a free row;
     - cache: twice the longest request, in multiples of ``CACHE_ROUND``, at least ``MIN_DECODE_LEN``;
@@ -92,7 +92,7 @@ def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_conf
         fraction = getattr(cb_config, "max_memory_percent", None) or DEFAULT_MEMORY_FRACTION
         # the batch-1 state, and the group states (a group never outnumbers the rows or the requests:
         # ``BatchEngine._partners``), each row of those at most a group's longest prompt (``group_len_for``)
-        group_rows = prefill_rows(min(group, rows, count)) - 1
+        group_rows = prefill_rows(min(group_for(rows), rows, count)) - 1
         prefill_bytes = (prefill_len * per_token + per_row
                          + group_rows * (group_len_for(prefill_len) * per_token + per_row))
         tokens = max(0, int(fraction * free) - prefill_bytes - rows * per_row) // max(1, per_token)

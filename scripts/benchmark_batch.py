@@ -89,17 +89,17 @@ def bucket_warmup(requests: list, rows: int) -> list:
     return warm + [(short, 2 + i) for i in range(rows)]
 
 
-def group_warmups(requests: list) -> list[tuple[int, list]]:
-    """With ``fused_batch.PREFILL_GROUP`` > 1, the calls that capture the group prefill graphs a timed call uses, off
-    the clock: for each group batch b (2, 4, ... up to it), ``CAPTURE_AFTER`` calls (a bucket's graph is captured on
-    its second forward) of b prompts of each prompt-length bucket that has b, 2 new tokens each, run with
+def group_warmups(requests: list, rows: int) -> list[tuple[int, list]]:
+    """With groups at ``rows`` rows (``fused_batch.prefill_group``), the calls that capture the group prefill graphs a
+    timed call uses, off the clock: for each group batch b (2, 4, ... up to it), ``CAPTURE_AFTER`` calls (a bucket's
+    graph is captured on its second forward) of b prompts of each prompt-length bucket that has b, 2 new tokens each, run with
     ``PREFILL_GROUP`` = b so that each bucket's prompts form one group of b, and the request of the largest cache need
     (so that the call keeps the timed call's buffers). A bucket with fewer than b prompts never forms a group of b.
     Returns [(b, requests)], one entry a call."""
     batch_mod, graphs = import_module("fused_batch"), import_module("fused_graphs")
     largest = max(requests, key=lambda r: len(r[0]) + r[1])
     calls, b = [], 2
-    while b <= batch_mod.PREFILL_GROUP:
+    while b <= batch_mod.prefill_group(rows):
         by_bucket = {}
         for prompt, _ in requests:
             by_bucket.setdefault(graphs.forward_len_bucket(len(prompt)), []).append((prompt, 2))
@@ -122,7 +122,7 @@ def warm_up(fused, requests: list, rows: int, device, chunk, warm: str, few: lis
     with ab_decode.constants([(batch_mod, "PREFILL_GROUP", 1)]):
         continuous(fused, warm_set, rows, device, chunk)
     count = len(warm_set)
-    for b, group_set in group_warmups(requests):
+    for b, group_set in group_warmups(requests, rows):
         with ab_decode.constants([(batch_mod, "PREFILL_GROUP", b)]):
             continuous(fused, group_set, rows, device, chunk)
         count += len(group_set)

@@ -751,8 +751,8 @@ def _speculative_call(case, check, stock, fused, ids, both) -> None:
 
 
 def _batch_call(case, check, stock, fused, device, both) -> None:
-    """``generate_batch`` (greedy; rows, per-request token counts, prefill chunk, ``PREFILL_GROUP`` and whether free
-    rows wait for a group drawn) against stock's greedy ``generate`` of each prompt alone: each request's tokens, as
+    """``generate_batch`` (greedy; rows, per-request token counts, prefill chunk, ``PREFILL_GROUP`` and whether the
+    groups and their wait run at the drawn rows) against stock's greedy ``generate`` of each prompt alone: each request's tokens, as
     for ``generate``."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -763,7 +763,7 @@ def _batch_call(case, check, stock, fused, device, both) -> None:
     batch_mod = import_module("fused_batch")
     saved = batch_mod.PREFILL_GROUP, batch_mod.GROUP_HOLD_GROUPS
     batch_mod.PREFILL_GROUP = call.get("group", batch_mod.PREFILL_GROUP)
-    if call.get("hold"):  # the drawn rows are few: free rows wait for a group at any count
+    if call.get("hold"):  # the drawn rows are few: groups (and the free rows' wait for one) at any row count
         batch_mod.GROUP_HOLD_GROUPS = 0
     try:
         out = fused.generate_batch(

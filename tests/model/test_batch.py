@@ -140,10 +140,15 @@ def test_prompts_of_one_bucket_prefilled_together_give_the_same_tokens(kind, gro
 
 @cpu_emulated
 def test_few_rows_do_not_wait_for_a_group(monkeypatch):
-    """Below ``GROUP_HOLD_GROUPS`` groups of rows a free row takes the next request at once (4 rows, groups of 4:
-    the hold would wait for every row to empty); the tokens stay batch-1 ``generate``'s."""
+    """Below ``GROUP_HOLD_GROUPS`` groups of rows each prompt is prefilled alone and a free row takes the next request
+    at once (4 rows, groups of 4: the hold would wait for every row to empty); the tokens stay batch-1
+    ``generate``'s. With the threshold at one group, the free rows do wait."""
     monkeypatch.setattr(batch_mod, "PREFILL_GROUP", 4)
-    waited = []
+    assert batch_mod.prefill_group(4) == 1 and batch_mod.prefill_group(4 * batch_mod.GROUP_HOLD_GROUPS) == 4
+    waited, grouped = [], []
+    start_many = batch_mod.BatchEngine._start_many
+    monkeypatch.setattr(batch_mod.BatchEngine, "_start_many", lambda self, reqs: grouped.append(len(reqs))
+                        or start_many(self, reqs))
     admit = batch_mod.BatchEngine._admit
 
     def watching(self):
@@ -159,8 +164,8 @@ def test_few_rows_do_not_wait_for_a_group(monkeypatch):
                                continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=4))
     for got, prompt, new in zip(out.values(), prompts, GROUP_NEW):
         assert got.generated_tokens == _reference(fused, prompt, new)
-    assert not waited
-    monkeypatch.setattr(batch_mod, "GROUP_HOLD_GROUPS", 1)  # the hold on: free rows do wait
+    assert not waited and not grouped
+    monkeypatch.setattr(batch_mod, "GROUP_HOLD_GROUPS", 1)  # groups and the hold on: free rows do wait
     fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=list(GROUP_NEW),
                          continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=4))
     assert waited
@@ -170,6 +175,7 @@ def test_few_rows_do_not_wait_for_a_group(monkeypatch):
 def test_a_group_out_of_memory_prefills_each_prompt_alone(monkeypatch):
     """A group's forward that runs out of memory gives way to each of its prompts alone: the same tokens."""
     monkeypatch.setattr(batch_mod, "PREFILL_GROUP", 4)
+    monkeypatch.setattr(batch_mod, "GROUP_HOLD_GROUPS", 1)  # groups at these few rows
     _, fused = stock_and_fused_lm(seed=0, **SPREAD)
     prompts = _prompts((5, 9, 12, 3))
     tried = []
@@ -227,8 +233,9 @@ def test_the_buffers_a_call_replaces_count_as_free(monkeypatch):
     runner = text.runner
     per_token, per_row = budget_mod.state_bytes(text)
     prompts = _prompts((70, 5, 17))
-    # the prefill states: the batch-1 one and, with groups, one of 2 (3 prompts: no group of 4)
-    states = budget_mod.prefill_rows(min(batch_mod.PREFILL_GROUP, 3))
+    # the prefill states: the batch-1 one and, with groups at these rows (3 and 6), one of each group batch
+    assert batch_mod.prefill_group(3) == batch_mod.prefill_group(6)
+    states = budget_mod.prefill_rows(min(batch_mod.prefill_group(3), 3))
     prefill_bytes = states * (batch_state.prefill_len_for(70) * per_token + per_row)
     device_free = (1000 * per_token + prefill_bytes + 3 * per_row) / budget_mod.DEFAULT_MEMORY_FRACTION + per_token
     held = lambda: runner.batch.nbytes() if runner.batch is not None else 0  # noqa: E731
@@ -265,7 +272,7 @@ def test_the_budget_counts_the_group_prefill_states(monkeypatch):
 
     def cache_tokens(group, rows, count, longest=100):
         cb = ContinuousBatchingConfig(max_requests_per_batch=rows)
-        got_rows, max_len, got_prefill = budget_mod.size_buffers(text, 10**7, count, longest, cb, group)
+        got_rows, max_len, got_prefill = budget_mod.size_buffers(text, 10**7, count, longest, cb, lambda r: group)
         assert (got_rows, got_prefill) == (rows, batch_state.prefill_len_for(longest))
         return max_len
 
@@ -281,6 +288,11 @@ def test_the_budget_counts_the_group_prefill_states(monkeypatch):
     assert cache_tokens(4, 8, 50) == expected(6, 8) < expected(0, 8)  # group states of batch 2 and 4
     assert cache_tokens(4, 2, 50) == expected(2, 2)  # two rows: no group of 4, its state not counted
     assert cache_tokens(4, 8, 3) == expected(2, 8)  # three requests: likewise
+    # the scheduler's own rule: no groups below GROUP_HOLD_GROUPS groups of rows, so no group state either
+    for rows, group_rows in ((8, 0), (4 * batch_mod.GROUP_HOLD_GROUPS, 6)):
+        cb = ContinuousBatchingConfig(max_requests_per_batch=rows)
+        got = budget_mod.size_buffers(text, 10**7, 500, 100, cb, batch_mod.prefill_group)[1]
+        assert got == expected(group_rows, rows), rows
     # a 20k-token prompt: the batch-1 state holds it, the group states only what a group may hold
     assert batch_state.prefill_len_for(20000) > capped
     assert cache_tokens(4, 8, 50, longest=20000) == expected(6, 8, longest=20000)
@@ -350,6 +362,7 @@ def test_each_step_reads_the_live_rows_own_windows(monkeypatch, shifts, chunk, w
     monkeypatch.setattr(batch_state, "SHIFT_CHUNK", 3)
     monkeypatch.setattr(decode_mod, "ROW_WINDOWS", windows)
     monkeypatch.setattr(batch_mod, "PREFILL_GROUP", group)
+    monkeypatch.setattr(batch_mod, "GROUP_HOLD_GROUPS", 0)  # groups (and the hold) at these few rows
     _, fused = stock_and_fused_lm(seed=1, **SPREAD)
     asked = set()
     ops = fused._text_model().plan.ops
@@ -989,6 +1002,7 @@ def test_prompts_prefilled_together_match_batch_1_generate_cuda(kind, monkeypatc
     """``PREFILL_GROUP`` 4 in fp32 on three calls: the groups' prompt graphs (batch 2 and 4 per length bucket) run
     eagerly, then are captured and replayed; every request's tokens those of a batch-1 fused ``generate``."""
     monkeypatch.setattr(batch_mod, "PREFILL_GROUP", 4)
+    monkeypatch.setattr(batch_mod, "GROUP_HOLD_GROUPS", 1)  # groups at these few rows
     _, fused = stock_and_fused_lm(seed=0, **SPREAD) if kind == "dense" else stock_and_fused_moe_lm(seed=0, **SPREAD)
     fused = fused.cuda()
     prompts = _prompts(GROUP_LENGTHS)
@@ -1114,12 +1128,13 @@ def test_memory_budget_cuda(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.usefixtures("fused_on_gpu")
 def test_steps_do_not_wait_for_the_gpu_cuda(monkeypatch):
-    """Once the row buckets' and prompt buckets' graphs are captured (two calls: a prompt bucket's graph, a group's
-    too with ``PREFILL_GROUP``, is captured on its second forward, and a group of a bucket forms once a call here), no
+    """Once the row buckets' and prompt buckets' graphs are captured (two calls: a prompt bucket's graph, and a group's
+    (on at these 4 rows, two groups of 4 and one prompt alone a call), is captured on its second forward), no
     scheduler step of the next call makes a synchronizing CUDA call (``torch.cuda.set_sync_debug_mode("error")``
     inside ``BatchEngine.step``: no ``.item()``, no pageable or blocking transfer; the read-back waits on its events
     only, which the mode does not count), and the token read-back reuses a few pinned host buffers rather than
     allocating per step."""
+    monkeypatch.setattr(batch_mod, "GROUP_HOLD_GROUPS", 1)  # groups at these few rows: their replays checked too
     _, fused = stock_and_fused_lm(seed=0, **SPREAD)
     fused = fused.cuda()
     prompts = _prompts((5, 1, 17, 9, 60, 3, 12, 33, 2))

@@ -355,9 +355,10 @@ def test_benchmark_batch_warms_the_group_prefill_graphs(monkeypatch):
     requests = benchmark_batch.workload(64, (4, 300), (2, 12), 256, seed=0)
     largest = max(requests, key=lambda r: len(r[0]) + r[1])
     monkeypatch.setattr(batch_mod, "PREFILL_GROUP", 1)
-    assert benchmark_batch.group_warmups(requests) == []
+    assert benchmark_batch.group_warmups(requests, 256) == []
     monkeypatch.setattr(batch_mod, "PREFILL_GROUP", 4)
-    calls = benchmark_batch.group_warmups(requests)
+    assert benchmark_batch.group_warmups(requests, 16) == []  # below GROUP_HOLD_GROUPS groups of rows: no groups
+    calls = benchmark_batch.group_warmups(requests, 256)
     assert [b for b, _ in calls] == [2] * graphs.CAPTURE_AFTER + [4] * graphs.CAPTURE_AFTER
     have = {}
     for p, _ in requests:
@@ -381,6 +382,7 @@ def test_benchmark_batch_warm_up_leaves_no_prompt_forward_cold(monkeypatch, fuse
 
     batch_mod, graphs, runner_mod = (import_module(m) for m in ("fused_batch", "fused_graphs", "fused_runner"))
     monkeypatch.setattr(batch_mod, "PREFILL_GROUP", group)
+    monkeypatch.setattr(batch_mod, "GROUP_HOLD_GROUPS", 1)  # groups at the 16 rows here
     _, fused = stock_and_fused_lm(seed=0)
     requests = benchmark_batch.workload(40, (4, 300), (2, 6), fused.config.vocab_size, seed=1)
     rows, device = 16, torch.device("cpu")
@@ -424,6 +426,7 @@ def test_benchmark_batch_times_the_prefills_by_group_batch(monkeypatch, fused_on
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(import_module("fused_batch"), "PREFILL_GROUP", 4)
+    monkeypatch.setattr(import_module("fused_batch"), "GROUP_HOLD_GROUPS", 1)  # groups at the 8 rows here
     _, fused = stock_and_fused_lm(seed=0)
     requests = [([5 + i] * n, 3) for i, n in enumerate((9, 10, 11, 12, 13, 70, 20))]
     run = benchmark_batch.continuous(fused, requests, 8, SimpleNamespace(type="cuda"), None)
