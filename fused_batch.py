@@ -86,6 +86,7 @@ GROUP_HOLD_GROUPS = 16
 # before the ones they pass).
 GROUP_LOOKAHEAD = 64
 
+
 def prefill_group(rows: int) -> int:
     """How many prompts of one length bucket a step prefills together at ``rows`` rows (1: each alone)."""
     group = max(1, PREFILL_GROUP)
