@@ -46,7 +46,7 @@ from .fused_compat import (
     generation_output,
     prepare_special_tokens,
 )
-from .fused_batch_budget import allocate, size_buffers
+from .fused_batch_budget import allocate, size_buffers, sized_for
 from .fused_batch_mixed import mixed_step, mixed_step_blocker
 from .fused_batch_rule import TokenRule, device_tokens, request_config
 from .fused_decode import FusedDecodeCache
@@ -784,7 +784,7 @@ def build_engine(model, generation_config, cb_config, need: int, count: int, lon
     if chunk is not None:  # longer prompts never go through the batch-1 prefill state
         longest_prompt = min(longest_prompt, chunk)
     rows, max_len, prefill_len = size_buffers(text_model, need, count, longest_prompt, cb_config, prefill_group)
-    buffers = allocate(text_model, rows, max_len, prefill_len)
+    buffers = allocate(text_model, rows, max_len, prefill_len, sized_for(cb_config, count))
     rule = TokenRule(model, generation_config, device, logprobs, [0])
     return BatchEngine(model, text_model, buffers, rule, getattr(cb_config, "max_batch_tokens", None), stream,
                        chunk)

@@ -77,10 +77,18 @@ def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_conf
     - cache: twice the longest request, in multiples of ``CACHE_ROUND``, at least ``MIN_DECODE_LEN``;
     - a token budget ``num_blocks`` x ``page_size`` caps rows x cache (first the cache's headroom, down to the longest
       request, then the rows unless the caller set them); on CUDA without it, ``max_memory_percent`` (else
-      ``DEFAULT_MEMORY_FRACTION``) of the free memory caps the buffers' bytes the same way. A request longer than a
-      row then fails alone, with an error naming the budget (said once when the budget cuts the sizes)."""
+      ``DEFAULT_MEMORY_FRACTION``) of the free memory caps the buffers' bytes the same way, and there the rows yield
+      even when the caller set them (``max_requests_per_batch`` is a maximum, as in transformers): every request that
+      fits the budget alone runs, the others wait (at 9B on an H100, 256 rows asked of a budget of 473k tokens gave
+      rows of 1,792 tokens, and 125 of 512 requests failed). A request longer than a row then fails alone, with an
+      error naming the budget (said once when the budget cuts the sizes);
+    - buffers an earlier call left, sized from the free memory for the same asked rows, are kept when they hold this
+      call's longest request and prompt: the free memory a later call sees is less the graphs captured since, and
+      new sizes would drop those graphs (over one 9B benchmark's calls on an H100 the budget read 667k, 645k, 473k
+      and 542k tokens, and the timed call ran 36 of its prompt forwards eagerly)."""
     set_rows = getattr(cb_config, "max_requests_per_batch", None)
-    rows = set_rows or max(1, min(count, DEFAULT_ROWS))
+    rows = asked_rows(cb_config, count)
+    fit = -(-need // 64) * 64  # the longest request, in the cache's multiples of 64
     max_len = max(decode_len_bucket(1), -(-2 * need // CACHE_ROUND) * CACHE_ROUND)
     prefill_len = prefill_len_for(longest_prompt)
     blocks = getattr(cb_config, "num_blocks", None)
@@ -89,6 +97,10 @@ def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_conf
     if blocks:
         tokens = blocks * block_tokens(cb_config)
     elif free is not None:
+        held = text_model.runner.batch
+        if (held is not None and held.sized_for == sized_for(cb_config, count) and held.max_len >= fit
+                and held.prefill_len >= prefill_len):
+            return held.rows, held.max_len, prefill_len
         fraction = getattr(cb_config, "max_memory_percent", None) or DEFAULT_MEMORY_FRACTION
         # the batch-1 state, and the group states (a group never outnumbers the rows or the requests:
         # ``BatchEngine._partners``), each row of those at most a group's longest prompt (``group_len_for``)
@@ -99,23 +111,42 @@ def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_conf
     else:
         return rows, max_len, prefill_len
     if rows * max_len > tokens:
-        max_len = max(-(-need // 64) * 64, tokens // rows)
-        if rows * max_len > tokens and not set_rows:
+        asked = rows
+        max_len = max(fit, tokens // rows)
+        if rows * max_len > tokens and not (set_rows and blocks):
             rows = max(1, tokens // max_len)
         max_len = min(max_len, max(64, tokens // rows // 64 * 64))
+        why = (f" (of max_requests_per_batch={asked}, so that a row holds the longest request, {need} tokens; a larger "
+               "max_memory_percent or num_blocks gives more)" if set_rows and rows < asked else "")
         announce(f"batch-budget/{rows}/{max_len}",
-                 f"Qwen3.5 fused kernels: generate_batch runs {rows} requests at a time with {max_len} cache tokens "
-                 f"each, the budget of {tokens} tokens; the others wait for a free row.")
+                 f"Qwen3.5 fused kernels: generate_batch runs {rows} requests at a time{why} with {max_len} cache "
+                 f"tokens each, the budget of {tokens} tokens; the others wait for a free row.")
     return rows, max_len, prefill_len
 
 
-def allocate(text_model, rows: int, max_len: int, prefill_len: int):
+def asked_rows(cb_config, count: int) -> int:
+    """The rows a call asks for: ``max_requests_per_batch``, else min(count, ``DEFAULT_ROWS``)."""
+    return getattr(cb_config, "max_requests_per_batch", None) or max(1, min(count, DEFAULT_ROWS))
+
+
+def sized_for(cb_config, count: int) -> tuple:
+    """What a call's buffers are sized from besides its requests: (its asked rows, its token budget, its memory
+    fraction); equal keys let a later call keep the buffers (``size_buffers``)."""
+    blocks = getattr(cb_config, "num_blocks", None)
+    return (asked_rows(cb_config, count), blocks and blocks * block_tokens(cb_config),
+            getattr(cb_config, "max_memory_percent", None))
+
+
+def allocate(text_model, rows: int, max_len: int, prefill_len: int, key: tuple | None = None):
     """The runner's batch buffers, halving the rows on an out-of-memory error (the requests beyond them wait);
-    a one-line error when even one row does not fit (nothing has run yet)."""
+    a one-line error when even one row does not fit (nothing has run yet). ``key``: the call's ``sized_for``, kept
+    on the buffers for ``size_buffers``' reuse."""
     runner = text_model.runner
     while True:
         try:
-            return runner.batch_state(text_model, rows, max_len, prefill_len)
+            buffers = runner.batch_state(text_model, rows, max_len, prefill_len)
+            buffers.sized_for = key
+            return buffers
         except torch.OutOfMemoryError:
             runner.drop_batch_state()
             torch.cuda.empty_cache()

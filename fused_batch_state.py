@@ -115,6 +115,7 @@ class BatchState:
             self.tokens = torch.zeros(rows, dtype=torch.long, device=self.state.device)
         self.history = None
         self.lengths = None
+        self.sized_for = None  # the call's ``fused_batch_budget.sized_for`` key, set by ``allocate``
 
     def view(self, live: int) -> DecodeState:
         """The state the step runs ``live`` packed rows at (rows 0..live-1 hold the requests)."""

@@ -256,6 +256,46 @@ def test_the_buffers_a_call_replaces_count_as_free(monkeypatch):
     assert (wide.rows, wide.max_len) == (6, 128)
 
 
+@cpu_emulated
+def test_the_rows_yield_to_the_longest_request_and_stay(monkeypatch, caplog):
+    """On a GPU without a token budget, rows the caller asked for (``max_requests_per_batch``, a maximum) that the free
+    memory holds only below the longest request yield to it: fewer rows, said once naming the setting, and every
+    request finishes with batch-1 tokens (at 9B on an H100, 256 rows asked gave rows shorter than 125 of 512
+    requests, which failed). A later call with less free memory (graphs captured since) keeps those buffers while
+    they hold its requests, and sizes new ones when they do not."""
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    text = fused._text_model()
+    runner = text.runner
+    per_token, per_row = budget_mod.state_bytes(text)
+    prompts = _prompts((70, 5, 17, 9))
+    new = [30, 6, 6, 6]  # the longest request needs 99 cache tokens: rows of 128
+    prefill_bytes = batch_state.prefill_len_for(70) * per_token + per_row  # no groups at 4 rows
+    budget = {"tokens": 300}  # two rows of 128, not four: four would be rows of 64, shorter than the first request
+    held = lambda: runner.batch.nbytes() if runner.batch is not None else 0  # noqa: E731
+    monkeypatch.setattr(budget_mod, "_device_free", lambda device: int(
+        (budget["tokens"] * per_token + prefill_bytes + 4 * per_row) / budget_mod.DEFAULT_MEMORY_FRACTION) - held())
+    cb = ContinuousBatchingConfig(max_requests_per_batch=4)
+
+    def run(news):
+        out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=news,
+                                   continuous_batching_config=cb)
+        for got, prompt, n in zip(out.values(), prompts, news):
+            assert got.status == RequestStatus.FINISHED, got.error
+            assert got.generated_tokens == _reference(fused, prompt, n)
+        return runner.batch
+
+    helpers.plan_mod._announced.discard("batch-budget/2/128")
+    with caplog.at_level(logging.WARNING):
+        first = run(new)
+    assert (first.rows, first.max_len) == (2, 128)
+    said = [r.getMessage() for r in caplog.records if "max_requests_per_batch=4" in r.getMessage()]
+    assert len(said) == 1 and "runs 2 requests at a time" in said[0], said
+    budget["tokens"] = 200  # less free memory: it would size rows of 64 + 64 now
+    assert run(new) is first  # kept: it holds the call
+    assert run([60, 6, 6, 6]) is not first  # the first request needs 129 tokens: new buffers
+    assert runner.batch.rows == 1 and runner.batch.max_len >= 129
+
+
 def test_the_budget_counts_the_group_prefill_states(monkeypatch):
     """On a GPU without a token budget, the prefill states come off the free memory before the rows: the batch-1
     state and one of each group batch (2, 4, ... up to ``PREFILL_GROUP``), no batch larger than the rows or the
@@ -270,9 +310,11 @@ def test_the_budget_counts_the_group_prefill_states(monkeypatch):
     monkeypatch.setattr(budget_mod, "free_bytes", lambda text_model: free)
     fraction = budget_mod.DEFAULT_MEMORY_FRACTION
 
-    def cache_tokens(group, rows, count, longest=100):
+    def cache_tokens(group, rows, count, longest=100, need=None):
+        # a request of half a row: the budget cuts the cache's headroom (twice the request), not the rows
+        need = need or free // per_token // rows // 2
         cb = ContinuousBatchingConfig(max_requests_per_batch=rows)
-        got_rows, max_len, got_prefill = budget_mod.size_buffers(text, 10**7, count, longest, cb, lambda r: group)
+        got_rows, max_len, got_prefill = budget_mod.size_buffers(text, need, count, longest, cb, lambda r: group)
         assert (got_rows, got_prefill) == (rows, batch_state.prefill_len_for(longest))
         return max_len
 
@@ -291,7 +333,7 @@ def test_the_budget_counts_the_group_prefill_states(monkeypatch):
     # the scheduler's own rule: no groups below GROUP_HOLD_GROUPS groups of rows, so no group state either
     for rows, group_rows in ((8, 0), (4 * batch_mod.GROUP_HOLD_GROUPS, 6)):
         cb = ContinuousBatchingConfig(max_requests_per_batch=rows)
-        got = budget_mod.size_buffers(text, 10**7, 500, 100, cb, batch_mod.prefill_group)[1]
+        got = budget_mod.size_buffers(text, free // per_token // rows // 2, 500, 100, cb, batch_mod.prefill_group)[1]
         assert got == expected(group_rows, rows), rows
     # a 20k-token prompt: the batch-1 state holds it, the group states only what a group may hold
     assert batch_state.prefill_len_for(20000) > capped
