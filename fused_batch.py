@@ -388,6 +388,9 @@ class BatchEngine:
         except torch.OutOfMemoryError:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+            announce(f"batch-group-oom/{len(reqs)}", f"Qwen3.5 fused kernels: generate_batch's prefill of {len(reqs)} "
+                     "prompts together ran out of GPU memory; those prompts are prefilled one at a time (groups that "
+                     "fit still run together).")
             for req in reqs:
                 self._start(req, admitted=True)
             return

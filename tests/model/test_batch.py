@@ -738,6 +738,31 @@ def test_a_request_over_the_budget_fails_alone():
 
 
 @cpu_emulated
+def test_a_group_out_of_memory_prefills_its_prompts_alone(monkeypatch):
+    """A group prefill that runs out of memory (its state or its forward) is said once, and its prompts are
+    prefilled one at a time instead, each with batch-1 generate's tokens."""
+    monkeypatch.setattr(batch_mod, "PREFILL_GROUP", 4)
+    monkeypatch.setattr(batch_mod, "GROUP_HOLD_GROUPS", 0)
+    _, fused = stock_and_fused_lm(seed=0, **SPREAD)
+    tried = []
+
+    def no_memory(self, *args):
+        tried.append(args[-2])
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(batch_state.BatchState, "group_prefill", no_memory)
+    prompts = _prompts((9, 11, 12, 10, 5))  # one length bucket: they group
+    helpers.plan_mod._announced.difference_update(
+        [k for k in helpers.plan_mod.announced() if k.startswith("batch-group-oom/")])
+    out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=6,
+                               continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=5))
+    assert tried and any(k.startswith("batch-group-oom/") for k in helpers.plan_mod.announced())
+    for got, prompt in zip(out.values(), prompts):
+        assert got.status == RequestStatus.FINISHED, got.error
+        assert got.generated_tokens == _reference(fused, prompt, 6)
+
+
+@cpu_emulated
 def test_out_of_memory_fails_only_what_it_hits(monkeypatch):
     """The buffers halve their rows until they fit (said once); a prompt whose prefill runs out of memory fails alone;
     an error in a decode step ends the requests still running and keeps every finished output."""
