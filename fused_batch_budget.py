@@ -83,9 +83,10 @@ def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_conf
       rows of 1,792 tokens, and 125 of 512 requests failed). A request longer than a row then fails alone, with an
       error naming the budget (said once when the budget cuts the sizes);
     - buffers an earlier call left, sized from the free memory for the same asked rows, are kept when they hold this
-      call's longest request and prompt: the free memory a later call sees is less the graphs captured since, and
-      new sizes would drop those graphs (over one 9B benchmark's calls on an H100 the budget read 667k, 645k, 473k
-      and 542k tokens, and the timed call ran 36 of its prompt forwards eagerly)."""
+      call's longest request and prompt, unless their rows yielded to a request at least twice as long as this
+      call's (fresh sizes would then give more rows): the free memory a later call sees is less the graphs captured
+      since, and new sizes would drop those graphs (over one 9B benchmark's calls on an H100 the budget read 667k,
+      645k, 473k and 542k tokens, and the timed call ran 36 of its prompt forwards eagerly)."""
     set_rows = getattr(cb_config, "max_requests_per_batch", None)
     rows = asked_rows(cb_config, count)
     fit = -(-need // 64) * 64  # the longest request, in the cache's multiples of 64
@@ -98,8 +99,8 @@ def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_conf
         tokens = blocks * block_tokens(cb_config)
     elif free is not None:
         held = text_model.runner.batch
-        if (held is not None and held.sized_for == sized_for(cb_config, count) and held.max_len >= fit
-                and held.prefill_len >= prefill_len):
+        if (held is not None and held.sized_for == sized_for(cb_config, count) and held.prefill_len >= prefill_len
+                and fit <= held.max_len and (held.rows == rows or held.max_len < 2 * fit)):
             return held.rows, held.max_len, prefill_len
         fraction = getattr(cb_config, "max_memory_percent", None) or DEFAULT_MEMORY_FRACTION
         # the batch-1 state, and the group states (a group never outnumbers the rows or the requests:

@@ -262,7 +262,8 @@ def test_the_rows_yield_to_the_longest_request_and_stay(monkeypatch, caplog):
     memory holds only below the longest request yield to it: fewer rows, said once naming the setting, and every
     request finishes with batch-1 tokens (at 9B on an H100, 256 rows asked gave rows shorter than 125 of 512
     requests, which failed). A later call with less free memory (graphs captured since) keeps those buffers while
-    they hold its requests, and sizes new ones when they do not."""
+    they hold its requests, and sizes new ones when they do not, or when their rows yielded to a request over twice
+    as long as its own."""
     _, fused = stock_and_fused_lm(seed=0, **SPREAD)
     text = fused._text_model()
     runner = text.runner
@@ -293,7 +294,11 @@ def test_the_rows_yield_to_the_longest_request_and_stay(monkeypatch, caplog):
     budget["tokens"] = 200  # less free memory: it would size rows of 64 + 64 now
     assert run(new) is first  # kept: it holds the call
     assert run([60, 6, 6, 6]) is not first  # the first request needs 129 tokens: new buffers
-    assert runner.batch.rows == 1 and runner.batch.max_len >= 129
+    assert (runner.batch.rows, runner.batch.max_len) == (1, 192)
+    # rows that yielded to a request over twice as long as a call's are sized anew: 3 requests of at most 22 tokens
+    prompts = prompts[1:]
+    run([6, 6, 6])
+    assert (runner.batch.rows, runner.batch.max_len) == (3, 64)
 
 
 def test_the_budget_counts_the_group_prefill_states(monkeypatch):
