@@ -75,13 +75,14 @@ def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_conf
 
     - rows: ``max_requests_per_batch``, else min(count, ``DEFAULT_ROWS``); more requests wait for a free row;
     - cache: twice the longest request, in multiples of ``CACHE_ROUND``, at least ``MIN_DECODE_LEN``;
-    - a token budget ``num_blocks`` x ``page_size`` caps rows x cache (first the cache's headroom, down to the longest
-      request, then the rows unless the caller set them); on CUDA without it, ``max_memory_percent`` (else
-      ``DEFAULT_MEMORY_FRACTION``) of the free memory caps the buffers' bytes the same way, and there the rows yield
-      even when the caller set them (``max_requests_per_batch`` is a maximum, as in transformers): every request that
-      fits the budget alone runs, the others wait (at 9B on an H100, 256 rows asked of a budget of 473k tokens gave
-      rows of 1,792 tokens, and 125 of 512 requests failed). A request longer than a row then fails alone, with an
-      error naming the budget (said once when the budget cuts the sizes);
+    - a token budget ``num_blocks`` x ``page_size`` caps rows x cache: first the cache's headroom, down to the longest
+      request, then the rows, even those the caller set (``max_requests_per_batch`` is a maximum, as in
+      transformers, whose paged cache gives a long request more blocks while others wait); on CUDA without it,
+      ``max_memory_percent`` (else ``DEFAULT_MEMORY_FRACTION``) of the free memory caps the buffers' bytes the same
+      way. Every request that fits the budget alone runs, the others wait (at 9B on an H100, 256 rows asked of a
+      budget of 473k tokens gave rows of 1,792 tokens when the caller's rows stood, and 125 of 512 requests failed).
+      Only a request longer than the whole budget fails, alone, with an error naming it (said once when the budget
+      cuts the sizes);
     - buffers an earlier call left, sized from the free memory for the same asked rows, are kept when they hold this
       call's longest request and prompt, unless their rows yielded to a request at least twice as long as this
       call's (fresh sizes would then give more rows): the free memory a later call sees is less the graphs captured
@@ -114,7 +115,7 @@ def size_buffers(text_model, need: int, count: int, longest_prompt: int, cb_conf
     if rows * max_len > tokens:
         asked = rows
         max_len = max(fit, tokens // rows)
-        if rows * max_len > tokens and not (set_rows and blocks):
+        if rows * max_len > tokens:
             rows = max(1, tokens // max_len)
         max_len = min(max_len, max(64, tokens // rows // 64 * 64))
         why = (f" (of max_requests_per_batch={asked}, so that a row holds the longest request, {need} tokens; a larger "

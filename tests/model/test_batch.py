@@ -449,7 +449,7 @@ def test_each_step_reads_the_live_rows_own_windows(monkeypatch, shifts, chunk, w
     monkeypatch.setattr(batch_mod.BatchEngine, "_start_many", recording)
     lengths, new = LENGTHS_NEW
     prompts = _prompts(lengths, seed=4)
-    cb = _cb_config(max_requests_per_batch=3, num_blocks=2, page_size=64)
+    cb = _cb_config(max_requests_per_batch=3, num_blocks=3, page_size=64)
     out = fused.generate_batch(prompts, generation_config=_greedy(eos_token_id=[17, 255]), max_new_tokens=new,
                                continuous_batching_config=cb, prefill_chunk=chunk)
     assert any(d < 0 for d in shifts) and any(d > 0 for d in shifts)
@@ -732,7 +732,7 @@ def test_sampling_is_reproducible_per_request_seed_and_independent_of_the_batch(
 def test_a_request_over_the_budget_fails_alone():
     _, fused = stock_and_fused_lm(seed=0, **SPREAD)
     prompts = _prompts((6, 40, 9))
-    cb = _cb_config(max_requests_per_batch=2, num_blocks=2, page_size=64)  # 64 cache tokens a row
+    cb = _cb_config(max_requests_per_batch=2, num_blocks=1, page_size=64)  # 64 cache tokens in all
     out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=[5, 40, 7],
                                continuous_batching_config=cb)
     assert out["req_1"].status == RequestStatus.FAILED
@@ -740,6 +740,14 @@ def test_a_request_over_the_budget_fails_alone():
     for rid, prompt, new in (("req_0", prompts[0], 5), ("req_2", prompts[2], 7)):
         assert out[rid].status == RequestStatus.FINISHED
         assert out[rid].generated_tokens == _reference(fused, prompt, new)
+    # a budget that holds the request, not at the rows asked: the rows yield (one of 128 tokens) and it runs
+    cb = _cb_config(max_requests_per_batch=2, num_blocks=2, page_size=64)
+    out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=[5, 40, 7],
+                               continuous_batching_config=cb)
+    assert fused.describe()["decode"]["generate_batch"]["rows"] == 1
+    for (rid, got), prompt, new in zip(out.items(), prompts, [5, 40, 7]):
+        assert got.status == RequestStatus.FINISHED, got.error
+        assert got.generated_tokens == _reference(fused, prompt, new), rid
 
 
 @cpu_emulated
@@ -1177,7 +1185,7 @@ def test_sampling_is_reproducible_per_request_seed_cuda():
 @pytest.mark.usefixtures("fused_on_gpu")
 def test_memory_budget_cuda(monkeypatch):
     """A budget smaller than the requests queues them (fewer rows, said once) and fails only the requests longer than
-    a row, each with an error naming the budget, before anything of theirs runs; the others finish with batch-1
+    the whole budget, each with an error naming it, before anything of theirs runs; the others finish with batch-1
     tokens. ``max_memory_percent`` near 0 leaves one row of 64 tokens; ``num_blocks`` x ``page_size`` caps rows x
     cache."""
     _, fused = stock_and_fused_lm(seed=0, **SPREAD)
@@ -1185,7 +1193,7 @@ def test_memory_budget_cuda(monkeypatch):
     prompts = _prompts((6, 40, 9, 20))
     new = [5, 40, 7, 30]
     for cb in (ContinuousBatchingConfig(max_memory_percent=1e-9),
-               _cb_config(max_requests_per_batch=2, num_blocks=2, page_size=64)):
+               _cb_config(max_requests_per_batch=2, num_blocks=1, page_size=64)):
         out = fused.generate_batch(prompts, generation_config=_greedy(), max_new_tokens=new,
                                    continuous_batching_config=cb)
         info = fused.describe()["decode"]["generate_batch"]
