@@ -13,11 +13,11 @@ returns this manager instead, with the methods of transformers' (``start``, ``ad
         for output in manager.request_id_iter(rid):   # a GenerationOutput after each token, the last one finished
             print(output.generated_tokens)
 
-The buffers are sized once, at ``start``: ``max_requests_per_batch`` rows (else ``fused_batch_budget.DEFAULT_ROWS``) and a
-cache of ``num_blocks`` x ``page_size`` tokens over them (else ``DEFAULT_CACHE_TOKENS`` a row, within
-``max_memory_percent`` of the free GPU memory); a request longer than a row fails alone, with an error naming the
-budget. The thread holds the model's lock for one scheduler step at a time, so ``generate`` and forwards from other
-threads run between steps.
+The buffers are sized once, at ``start``: at most ``max_requests_per_batch`` rows (else
+``fused_batch_budget.DEFAULT_ROWS``) and a cache of ``num_blocks`` x ``page_size`` tokens over them (else
+``DEFAULT_CACHE_TOKENS`` a row, within ``max_memory_percent`` of the free GPU memory, fewer rows where it holds
+fewer); a request longer than a row fails alone, with an error naming the budget. The thread holds the model's
+lock for one scheduler step at a time, so ``generate`` and forwards from other threads run between steps.
 """
 
 import queue

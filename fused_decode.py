@@ -30,8 +30,9 @@ ROW_WINDOWS = True
 # The speculative verify pass over T tokens at batch 1 runs each attention layer's prep and attention once for the T
 # tokens (True: ``attn_prep`` writes their keys at slot .. slot + T - 1, and ``decode_attention`` takes them as T
 # rows over the one cache row, each through its own causal marks) instead of once per token (False: 2T launches a
-# layer, 64 at 4B for T = 4 over its 8 attention layers, in a pass of ~4 ms). Off until timed on a GPU
-# (``scripts/benchmark_speculative.py --set fused_decode.VERIFY_ATTENTION_AT_ONCE=True``); CPU-tested both ways.
+# layer, 64 at 4B for T = 4 over its 8 attention layers, in a pass of ~4 ms). Off: timed on an H100 against the
+# per-token pass (4B, one process), it gained 4-8% with every draft rejected and lost 3-9% at acceptance 0.8 (k = 3:
+# 2.280 against 2.101 ms a token; docs/DESIGN.md). Tested both ways, on CPU and on the GPU.
 VERIFY_ATTENTION_AT_ONCE = False
 
 

@@ -92,10 +92,10 @@ def bucket_warmup(requests: list, rows: int) -> list:
 def group_warmups(requests: list, rows: int) -> list[tuple[int, list]]:
     """With groups at ``rows`` rows (``fused_batch.prefill_group``), the calls that capture the group prefill graphs a
     timed call uses, off the clock: for each group batch b (2, 4, ... up to it), ``CAPTURE_AFTER`` calls (a bucket's
-    graph is captured on its second forward) of b prompts of each prompt-length bucket that has b, 2 new tokens each, run with
-    ``PREFILL_GROUP`` = b so that each bucket's prompts form one group of b, and the request of the largest cache need
-    (so that the call keeps the timed call's buffers). A bucket with fewer than b prompts never forms a group of b.
-    Returns [(b, requests)], one entry a call."""
+    graph is captured on its second forward) of b prompts of each prompt-length bucket that has b, 2 new tokens
+    each, run with ``PREFILL_GROUP`` = b so that each bucket's prompts form one group of b, and the request of the
+    largest cache need (so that the call keeps the timed call's buffers). A bucket with fewer than b prompts never
+    forms a group of b. Returns [(b, requests)], one entry a call."""
     batch_mod, graphs = import_module("fused_batch"), import_module("fused_graphs")
     largest = max(requests, key=lambda r: len(r[0]) + r[1])
     calls, b = [], 2
