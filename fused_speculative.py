@@ -66,10 +66,16 @@ DEFAULT_SPECULATIVE_TOKENS = 0
 # 1.71, 1.83, 2.10 plain steps at k = 1, 2, 3; 9B and 27B cost less (1.2-1.8), 0.8B more (2.7-3.5: it never gains).
 # Past k = 3: what the last draft added, for each further draft.
 ROUND_COST_STEPS = {1: 1.7, 2: 1.8, 3: 2.1}
-# The same for a head that drafts with stock's layer, eagerly (a MoE head, or one the static drafter cannot run):
+# The same for a head that drafts with stock's layer, eagerly (one the static drafter cannot run, or the MoE head
+# with ``fused_mtp_decode.STATIC_MOE_DRAFTS`` off):
 # 35B-A3B on the H200, 4.19, 4.48, 6.88 plain steps at k = 1, 2, 3, more than a round of k drafts can emit (k + 1), so
 # such a call decodes on without drafts after its probe rounds (it was slower than plain decode at every acceptance).
 EAGER_ROUND_COST_STEPS = {1: 4.2, 2: 4.5, 3: 6.9}
+# The same for the MoE head on the static drafter (``fused_mtp_decode.STATIC_MOE_DRAFTS``): a verify pass over k + 1
+# tokens reads the experts each of them picks, up to k + 1 times a plain step's, so its rounds cost more than a dense
+# model's. 35B-A3B on an H100, a round's time at acceptance 0.8 (the higher of 0.8 and 1.0) over the plain step
+# (2.830 ms): 2.31 / 2.85 / 3.56 plain steps at k = 1, 2, 3. A round of one draft never pays (it emits at most 2).
+MOE_ROUND_COST_STEPS = {1: 2.3, 2: 2.9, 3: 3.6}
 PROBE_ROUNDS = 4
 # `generate(..., mtp_speculative_tokens=k)` for the call in progress (None: not given): the model's generate takes the
 # argument (stock's model-kwargs check would refuse it) and its `_sample` hook reads it.
@@ -109,7 +115,8 @@ def describe_speculative(model) -> dict:
     k = speculative_tokens(model)
     plan = model.fused_plan
     reason = (plan.decode_reason if plan.decode_reason is not None
-              else None if k else f"{SPECULATIVE_TOKENS_FIELD} is 0 (the default: opt-in until measured on a GPU)")
+              else None if k else f"{SPECULATIVE_TOKENS_FIELD} is 0 (the default: opt-in; a round pays only where the checkpoint's "
+                                  "drafts are accepted often enough)")
     blocker = static_draft_blocker(model)
     return {
         "tokens": k if reason is None else 0,
@@ -347,10 +354,11 @@ def accept(p_scores: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
     return n, torch.multinomial(dist, num_samples=1).squeeze(1)
 
 
-def round_cost(k: int, eager: bool) -> float:
-    """What a round of ``k`` drafts costs in plain decode steps: ``ROUND_COST_STEPS``, or
-    ``EAGER_ROUND_COST_STEPS`` for a head that drafts eagerly with stock's layer; past the table, its last step."""
-    table = EAGER_ROUND_COST_STEPS if eager else ROUND_COST_STEPS
+def round_cost(k: int, eager: bool, moe: bool = False) -> float:
+    """What a round of ``k`` drafts costs in plain decode steps: ``ROUND_COST_STEPS``; ``EAGER_ROUND_COST_STEPS`` for
+    a head that drafts eagerly with stock's layer; ``MOE_ROUND_COST_STEPS`` for a MoE head on the static drafter
+    (``moe``); past the table, its last step."""
+    table = EAGER_ROUND_COST_STEPS if eager else MOE_ROUND_COST_STEPS if moe else ROUND_COST_STEPS
     last = max(table)
     if k <= last:
         return table[k]
@@ -359,12 +367,12 @@ def round_cost(k: int, eager: bool) -> float:
 
 class Governor:
     """Whether a call's speculation pays: after ``PROBE_ROUNDS`` rounds, the mean tokens a round emitted against what
-    a round costs in plain steps (:func:`round_cost`; ``eager``: the head drafts with stock's layer). Host ints only
-    (the round's n is read anyway)."""
+    a round costs in plain steps (:func:`round_cost`; ``eager``: the head drafts with stock's layer; ``moe``: a MoE
+    head on the static drafter). Host ints only (the round's n is read anyway)."""
 
-    def __init__(self, k: int, active: bool, eager: bool = False):
+    def __init__(self, k: int, active: bool, eager: bool = False, moe: bool = False):
         self.k, self.active = k, active
-        self.cost = round_cost(k, eager)
+        self.cost = round_cost(k, eager, moe)
         self.rounds = self.tokens = 0
 
     def gives_up(self, tokens: int) -> bool:
@@ -426,7 +434,8 @@ def speculative_sample(model, text_model, cache: FusedDecodeCache, k: int, input
         drafter.forced.fill_(-1)  # the rule's acceptance unless a benchmark sets it (each round, below)
     drafts = input_ids[:, :0]
     # a benchmark's or a test's hook sets what the rounds do: the call speculates to its end then
-    governor = Governor(k, active=forced is None and override is None, eager=drafter is None)
+    governor = Governor(k, active=forced is None and override is None, eager=drafter is None,
+                        moe=drafter is not None and drafter.moe)
     q, verified, first_slot, buffers = None, None, 0, 0  # buffers: the verify buffer set `verified` lives in
     while True:
         cur = input_ids.shape[1]

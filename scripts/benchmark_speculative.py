@@ -6,8 +6,8 @@
     python scripts/benchmark_speculative.py --device cpu --tiny --new-tokens 6 --repeats 1
     # a checkpoint with a trained head (the shipped one: --checkpoint .): its own drafts on held-out text, no set rate
     python scripts/benchmark_speculative.py --checkpoint . --dtype float32 --prompts 8
-    # the MoE head on the static drafter (fused_mtp_decode.STATIC_MOE_DRAFTS, off as shipped) for the run
-    python scripts/benchmark_speculative.py --shapes 35B-A3B --set fused_mtp_decode.STATIC_MOE_DRAFTS=True
+    # the MoE head drafting with stock's layer, eagerly (fused_mtp_decode.STATIC_MOE_DRAFTS, on as shipped) for the run
+    python scripts/benchmark_speculative.py --shapes 35B-A3B --set fused_mtp_decode.STATIC_MOE_DRAFTS=False
     # an A/B in one process: each (k, a) under each variant's constants in turn, graphs captured afresh
     python scripts/benchmark_speculative.py --shapes 4B --k 3 --acceptance 0,0.8 \
         --variant base: --variant at-once:fused_decode.VERIFY_ATTENTION_AT_ONCE=True
@@ -304,7 +304,7 @@ def main(argv=None):
                         "takes them; 'base:' for the shipped values); repeatable")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.CONSTANT=VALUE",
                    help="a repo constant for the whole run, as scripts/ab_decode.py's variants take them (e.g. "
-                        "fused_mtp_decode.STATIC_MOE_DRAFTS=True), restored afterwards; repeatable")
+                        "fused_mtp_decode.STATIC_MOE_DRAFTS=False), restored afterwards; repeatable")
     args = p.parse_args(argv)
     modules = ab_decode.variant_modules() if args.variant else None
     args.variants = [ab_decode.parse_variant(spec, modules) for spec in args.variant] if args.variant else None

@@ -326,8 +326,8 @@ def test_the_static_drafter_is_the_stock_head(moe, monkeypatch):
     head and copied in, then 1-3 pairs a call, each call also drafting 3 chained tokens whose cache rows the next
     call overwrites. Each call's draft logits are the stock head's (1e-4) at the last fed row and, for the chained
     drafts, over the sequence extended by them; the draft hidden states of fed rows agree to 1e-5. The MoE head's
-    sparse block runs on it with ``STATIC_MOE_DRAFTS`` (set here). In a speculative generate the dense head drafts on
-    it; the MoE head, as shipped (the switch off), drafts with stock's layer, said once and in describe()."""
+    sparse block runs on it with ``STATIC_MOE_DRAFTS`` (on as shipped, set here). In a speculative generate the dense
+    head drafts on it; the MoE head with the switch off drafts with stock's layer, said once and in describe()."""
     mtp_decode = import_module("fused_mtp_decode")
     monkeypatch.setattr(mtp_decode, "STATIC_MOE_DRAFTS", True)
     _, fused = _pair(moe=moe, seed=5)
@@ -668,28 +668,37 @@ def test_a_call_whose_drafts_miss_hands_over_to_plain_decode(sample):
 
 
 @cpu_emulated
-def test_an_eagerly_drafting_head_is_charged_its_own_cost(monkeypatch):
-    """A head that drafts with stock's layer (the MoE head) costs more than a round can emit (35B-A3B's figures): its
-    call hands over after ``PROBE_ROUNDS`` rounds even when every draft is right, where a static drafter's round of
-    k + 1 tokens pays. ``speculative_sample`` charges each head its own: the MoE pair eagerly, the dense one not."""
+def test_each_head_is_charged_its_own_cost(monkeypatch):
+    """A head that drafts with stock's layer, eagerly, costs more than a round can emit (35B-A3B's figures): its call
+    hands over after ``PROBE_ROUNDS`` rounds even when every draft is right, where a dense head's round of k + 1
+    tokens on the static drafter pays. A MoE head on the static drafter sits between (its verify pass reads the
+    experts of every token): a round of one draft never pays, a round of 2 or more whose drafts are all right does.
+    ``speculative_sample`` charges each head its own: the dense head static, the MoE head static with
+    ``STATIC_MOE_DRAFTS`` on (as shipped) and eager with it off."""
     for k in (1, 2, 3, 5):
-        for eager, gives_up in ((False, False), (True, True)):
-            governor = spec.Governor(k, active=True, eager=eager)
-            assert [governor.gives_up(k + 1) for _ in range(spec.PROBE_ROUNDS)][-1] == gives_up, (k, eager)
+        for eager, moe, gives_up in ((False, False, False), (True, False, True), (True, True, True),
+                                     (False, True, k == 1)):
+            governor = spec.Governor(k, active=True, eager=eager, moe=moe)
+            assert [governor.gives_up(k + 1) for _ in range(spec.PROBE_ROUNDS)][-1] == gives_up, (k, eager, moe)
     assert spec.round_cost(5, eager=False) == pytest.approx(spec.ROUND_COST_STEPS[3] + 2 * 0.3)
+    assert spec.round_cost(5, eager=False, moe=True) == pytest.approx(spec.MOE_ROUND_COST_STEPS[3] + 2 * 0.7)
     built = []
     governor_cls = spec.Governor
 
-    def spy(k, active, eager=False):
-        built.append(eager)
-        return governor_cls(k, active, eager)
+    def spy(k, active, eager=False, moe=False):
+        built.append((eager, moe))
+        return governor_cls(k, active, eager, moe)
 
     monkeypatch.setattr(spec, "Governor", spy)
-    for moe in (False, True):
+    mtp_decode = import_module("fused_mtp_decode")
+    assert mtp_decode.STATIC_MOE_DRAFTS is True  # as shipped
+    for moe, static_moe, expect in ((False, True, (False, False)), (True, True, (False, True)),
+                                    (True, False, (True, False))):
+        monkeypatch.setattr(mtp_decode, "STATIC_MOE_DRAFTS", static_moe)
         _, model = _pair(moe=moe, seed=6)
         with torch.no_grad():
             model.generate(_prompt(seed=6), max_new_tokens=6, mtp_speculative_tokens=2, **GREEDY)
-        assert built[-1] == moe, (moe, built)
+        assert built[-1] == expect, (moe, static_moe, built)
 
 # -- the shipped checkpoint -------------------------------------------------------------------------------------------
 

@@ -58,8 +58,8 @@ def test_benchmark_speculative_runs_on_cpu(tmp_path, fused_on_cpu):
 
 
 def test_benchmark_speculative_sets_constants_for_the_run(tmp_path, fused_on_cpu, monkeypatch):
-    """``--set MODULE.CONSTANT=VALUE``: the MoE head's static drafter on for the run (its rounds then draft on it),
-    the shipped value back afterwards."""
+    """``--set MODULE.CONSTANT=VALUE``: the MoE head's static drafter off for the run (its rounds then draft with
+    stock's layer, eagerly: no drafter), the shipped value (on) back afterwards."""
     from scripts.common import import_module
 
     mtp_decode, spec = import_module("fused_mtp_decode"), import_module("fused_speculative")
@@ -68,9 +68,9 @@ def test_benchmark_speculative_sets_constants_for_the_run(tmp_path, fused_on_cpu
     monkeypatch.setattr(spec, "drafter_for", lambda *a: drafters.append(real(*a)) or drafters[-1])
     benchmark_speculative.main(["--device", "cpu", "--dtype", "float32", "--new-tokens", "4",
                                 "--repeats", "1", "--k", "1", "--acceptance", "1", "--shapes", "tiny-moe",
-                                "--set", "fused_mtp_decode.STATIC_MOE_DRAFTS=True", "--out", str(tmp_path)])
-    assert mtp_decode.STATIC_MOE_DRAFTS is False
-    assert drafters and all(d is not None and d.moe for d in drafters)
+                                "--set", "fused_mtp_decode.STATIC_MOE_DRAFTS=False", "--out", str(tmp_path)])
+    assert mtp_decode.STATIC_MOE_DRAFTS is True
+    assert drafters and all(d is None for d in drafters)
 
 
 
