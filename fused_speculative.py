@@ -114,9 +114,9 @@ def describe_speculative(model) -> dict:
     back, and why it is off."""
     k = speculative_tokens(model)
     plan = model.fused_plan
-    reason = (plan.decode_reason if plan.decode_reason is not None
-              else None if k else f"{SPECULATIVE_TOKENS_FIELD} is 0 (the default: opt-in; a round pays only where the checkpoint's "
-                                  "drafts are accepted often enough)")
+    off = (f"{SPECULATIVE_TOKENS_FIELD} is 0 (the default: opt-in; a round pays only where the checkpoint's drafts "
+           "are accepted often enough)")
+    reason = plan.decode_reason if plan.decode_reason is not None else None if k else off
     blocker = static_draft_blocker(model)
     return {
         "tokens": k if reason is None else 0,
