@@ -6,6 +6,10 @@ fused ``generate_batch`` (continuous batching), on one seeded workload, in one p
     # 9B, 35B-A3B
     python scripts/benchmark_batch.py --model 9b --requests 512 --stock-requests 64
     python scripts/benchmark_batch.py --model 35b-a3b --requests 512 --stock-requests 32
+    # a model whose whole run outlasts one device call: (1) and (2) in one process, (3) in the next
+    python scripts/benchmark_batch.py --model 35b-a3b --requests 512 --stock-requests 16 --static-only --out out/s
+    python scripts/benchmark_batch.py --model 35b-a3b --requests 512 --stock-requests 16 --batch-only \\
+        --static-from out/s/batch.json
     # CPU smoke run (what CI runs): tiny config, a few requests
     python scripts/benchmark_batch.py --device cpu --tiny --requests 8
 
@@ -41,6 +45,7 @@ workload's mean context; the DeltaNet states read and written) over the device c
 
 import argparse
 import contextlib
+import json
 import random
 import statistics
 import sys
@@ -405,13 +410,15 @@ def profile_decode_steps(model, context: int, rows_list, repeats: int = 10, top:
 
 
 def to_markdown(r: dict) -> str:
+    static_note = (f"(theirs, and the ratios to them, are the report {r['static_from']}'s, of the same workload on "
+                   "the same card)." if r.get("static_from") else "(the subset is only where its latencies are read).")
     lines = [f"# generate_batch benchmark: {r['model']} ({r['dtype']}, {r['device']})", "",
              f"{r['requests']} requests, prompts {r['prompt_range'][0]}-{r['prompt_range'][1]} tokens, "
              f"{r['new_range'][0]}-{r['new_range'][1]} new (seed {r['seed']}); static batches of {r['batch']}; "
              f"generate_batch: rows {r['rows']} x prefill_chunk {r['prefill_chunk']}, path: {r['batch_path']}.",
              f"Stock ran the first {r['stock_requests']} requests only (a subset): the rows marked 'subset' compare "
              "the same requests." if not r.get("batch_only") else "--batch-only: runs (1) and (2) did not run here "
-             "(the subset is only where its latencies are read).", "",
+             + static_note, "",
              "| run | requests | output tok/s | TTFT p50 / p99 ms | per-token p50 / p99 ms |", "|---|---|---|---|---|"]
     for name, s in r["runs"].items():
         lines.append(f"| {name} | {s['requests']} | {s['tokens_per_s']:.1f} | {s['ttft_ms_p50']:.1f} / "
@@ -486,7 +493,8 @@ def run(args) -> dict:
                "batch": args.batch, "rows": args.rows, "prefill_chunk": args.prefill_chunk,
                "warm": args.warm,
                "batch_path": "fused scheduler" if blocker is None else f"generate per request ({blocker})",
-               "runs": {}, "ratios": {}, "parts": {}, "decode_steps": {}, "failed": [], "batch_only": args.batch_only}
+               "runs": {}, "ratios": {}, "parts": {}, "decode_steps": {}, "failed": [], "batch_only": args.batch_only,
+               "card": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     log(f"workload: {len(requests)} requests, {tokens} output tokens; stock on {len(subset)}")
 
     # warm-up: every path once on a few requests, so no run pays for compiling / capturing its first shapes
@@ -496,9 +504,11 @@ def run(args) -> dict:
     static_batches(fused, warm, args.batch, device, "warm-up fused")
 
     if args.batch_only:
-        stock_s = fused_s = None
+        stock_s, fused_s = _earlier_static_runs(args.static_from, results) if args.static_from else (None, None)
     else:
         stock_s, fused_s = _static_runs(args, results, stock, fused, requests, subset, tokens, sub_tokens, device)
+    if args.static_only:
+        return results
     stock = _free(stock, device)  # generate_batch sizes its buffers from the free memory: stock's is not the user's
     # each (rows, prefill_chunk) setting in turn, the most rows last: its buffers are the ones the steps are timed on;
     # with --variant, every setting under each variant's constants in turn, its steps timed (and profiled) on its own
@@ -602,6 +612,32 @@ def _static_runs(args, results, stock, fused, requests, subset, tokens, sub_toke
     return stock_s, fused_s
 
 
+# what makes two reports' runs comparable: the same workload, static batches, dtype and card
+SAME_WORKLOAD = ("model", "dtype", "card", "requests", "stock_requests", "prompt_range", "new_range", "seed", "batch")
+
+
+def _earlier_static_runs(path: Path, results: dict):
+    """Runs (1) and (2) of an earlier ``--static-only`` (or cut-short) report at ``path`` into ``results``, for a
+    ``--batch-only`` run's ratios: a model too slow for one device call runs them in one process and
+    ``generate_batch`` in the next. Refuses a report of another workload, dtype or card. Returns their stats."""
+    earlier = json.loads(Path(path).read_text())
+    for key in SAME_WORKLOAD:
+        mine, theirs = results[key], earlier.get(key)
+        if (list(mine) if isinstance(mine, tuple) else mine) != theirs:
+            raise SystemExit(f"--static-from {path}: its {key} is {theirs!r}, this run's {mine!r}; run the same "
+                             "workload (--model, --requests, --stock-requests, ranges, --seed, --batch, --dtype) on "
+                             "the same card")
+    runs = earlier["runs"]
+    if "(2) fused static" not in runs:
+        raise SystemExit(f"--static-from {path}: it holds no run (2) (its runs: {sorted(runs)}); run it with "
+                         "--static-only first")
+    for name in ("(1) stock static, subset", "(2) fused static", "(2) fused static, subset"):
+        results["runs"][name] = runs[name]
+    results["ratios"] = {k: v for k, v in earlier["ratios"].items() if k.startswith("(2) / (1)")}
+    results["static_from"] = str(path)
+    return runs["(1) stock static, subset"], runs["(2) fused static"]
+
+
 def save(args, results: dict) -> None:
     write_report(args.out, "batch", results, to_markdown(results))
 
@@ -632,7 +668,14 @@ def main(argv=None):
                    help="before each generate_batch setting: a call that captures every prompt bucket the workload "
                         "uses (buckets), or one over its first 4 requests (few: the timed run captures the rest)")
     p.add_argument("--batch-only", action="store_true",
-                   help="run (3) only (its ratios then need (1) and (2) from another run of the same workload)")
+                   help="run (3) only (its ratios then need (1) and (2) from another run of the same workload: "
+                        "--static-from)")
+    p.add_argument("--static-only", action="store_true",
+                   help="run (1) and (2) only: with --batch-only --static-from in a second process, a model whose "
+                        "whole run outlasts one device call")
+    p.add_argument("--static-from", type=Path, default=None,
+                   help="with --batch-only: the batch.json of a --static-only run of the same workload on the same "
+                        "card, whose (1) and (2) this run's ratios are taken against")
     p.add_argument("--variant", action="append", default=None,
                    help="NAME:MODULE.CONSTANT=VALUE,... as scripts/ab_decode.py takes it, repeatable: every "
                         "generate_batch setting runs under each variant's constants in turn, the model's graphs and "
@@ -643,6 +686,10 @@ def main(argv=None):
                         "kernels and their time a step")
     p.add_argument("--out", type=Path, default=Path("out/batch"))
     args = p.parse_args(argv)
+    if args.static_only and args.batch_only:
+        p.error("--static-only and --batch-only exclude each other: the first runs (1) and (2), the second (3)")
+    if args.static_from is not None and not args.batch_only:
+        p.error(f"--static-from {args.static_from} needs --batch-only: it supplies the (1) and (2) that run skips")
     if args.device == "cpu" and args.dtype == "bfloat16":
         args.dtype = "float32"
     args.stock_requests = min(args.stock_requests, args.requests)

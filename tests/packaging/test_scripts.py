@@ -290,6 +290,31 @@ def test_benchmark_batch_runs_on_cpu(tmp_path):
     assert json.loads((tmp_path / "batch.json").read_text())["requests"] == 8
 
 
+def test_benchmark_batch_split_over_two_processes_cpu(tmp_path):
+    """--static-only runs (1) and (2) and no generate_batch; --batch-only --static-from takes them (and their ratios)
+    from that report for (3)'s ratios, and refuses a report of another workload or a run without --batch-only."""
+    from scripts import benchmark_batch
+
+    common = ["--device", "cpu", "--tiny", "--requests", "6", "--stock-requests", "3", "--batch", "4"]
+    static = benchmark_batch.main([*common, "--static-only", "--out", str(tmp_path / "s")])
+    assert sorted(static["runs"]) == ["(1) stock static, subset", "(2) fused static", "(2) fused static, subset"]
+    report = tmp_path / "s" / "batch.json"
+    batch = benchmark_batch.main([*common, "--batch-only", "--static-from", str(report),
+                                  "--out", str(tmp_path / "b")])
+    for name in static["runs"]:
+        assert batch["runs"][name] == json.loads(report.read_text())["runs"][name]
+    third = batch["runs"]["(3) fused generate_batch, 32 rows, chunk None"]
+    ratio, _ = batch["ratios"]["(3) fused generate_batch, 32 rows, chunk None / (2) fused static"]
+    assert ratio == pytest.approx(third["tokens_per_s"] / static["runs"]["(2) fused static"]["tokens_per_s"])
+    assert "(2) / (1) on the same subset" in batch["ratios"]
+    assert str(report) in (tmp_path / "b" / "batch.md").read_text()
+    with pytest.raises(SystemExit, match=r"--static-from .*its requests is 6, this run's 7"):
+        benchmark_batch.main(["--device", "cpu", "--tiny", "--requests", "7", "--stock-requests", "3", "--batch", "4",
+                              "--batch-only", "--static-from", str(report), "--out", str(tmp_path / "c")])
+    with pytest.raises(SystemExit):  # argparse's one-line error: --static-from needs --batch-only
+        benchmark_batch.main([*common, "--static-from", str(report)])
+
+
 def test_benchmark_batch_variants_cpu(tmp_path, fused_on_cpu):
     """--variant: every generate_batch setting under each variant's constants in turn, named by the variant, the
     shipped values back afterwards; a constant no module has is an error naming it."""
