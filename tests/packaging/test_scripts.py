@@ -290,7 +290,7 @@ def test_benchmark_batch_runs_on_cpu(tmp_path):
     assert json.loads((tmp_path / "batch.json").read_text())["requests"] == 8
 
 
-def test_benchmark_batch_split_over_two_processes_cpu(tmp_path):
+def test_benchmark_batch_split_over_two_processes_cpu(tmp_path, capsys):
     """--static-only runs (1) and (2) and no generate_batch; --batch-only --static-from takes them (and their ratios)
     from that report for (3)'s ratios, and refuses a report of another workload or a run without --batch-only."""
     from scripts import benchmark_batch
@@ -311,8 +311,10 @@ def test_benchmark_batch_split_over_two_processes_cpu(tmp_path):
     with pytest.raises(SystemExit, match=r"--static-from .*its requests is 6, this run's 7"):
         benchmark_batch.main(["--device", "cpu", "--tiny", "--requests", "7", "--stock-requests", "3", "--batch", "4",
                               "--batch-only", "--static-from", str(report), "--out", str(tmp_path / "c")])
-    with pytest.raises(SystemExit):  # argparse's one-line error: --static-from needs --batch-only
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # argparse's one-line error
         benchmark_batch.main([*common, "--static-from", str(report)])
+    assert f"--static-from {report} needs --batch-only" in capsys.readouterr().err
 
 
 def test_benchmark_batch_variants_cpu(tmp_path, fused_on_cpu):
