@@ -499,8 +499,10 @@ def run(args) -> dict:
 
     # warm-up: every path once on a few requests, so no run pays for compiling / capturing its first shapes
     warm = requests[: min(4, len(requests))]
-    # stock has no graph or bucket to warm: a few short requests load its kernels (its 452-step warm-up took 51 s)
-    static_batches(stock, [(p[:64], 4) for p, _ in warm], args.batch, device, "warm-up stock")
+    # stock has no graph or bucket to warm: a few short requests load its kernels (its 452-step warm-up took 51 s);
+    # --batch-only never runs stock
+    if not args.batch_only:
+        static_batches(stock, [(p[:64], 4) for p, _ in warm], args.batch, device, "warm-up stock")
     static_batches(fused, warm, args.batch, device, "warm-up fused")
 
     if args.batch_only:
